@@ -1,0 +1,94 @@
+"""Loss curves of a training run: `run_dir/metrics.jsonl` -> PNG.
+
+metrics.jsonl holds one JSON object per line. Training lines carry `step` and `loss` (plus lr, tokens_per_s);
+evaluation lines carry `step` and `val_loss`. Lines with neither are other records and are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from openflash.errors import OpenflashError
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class LossCurves:
+    train_steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+
+
+def read_metrics(path: Path) -> LossCurves:
+    """Parse metrics.jsonl; errors name the file and line number."""
+    if not path.is_file():
+        raise OpenflashError(f"metrics file not found: {path}")
+    curves = LossCurves()
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise OpenflashError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise OpenflashError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            for key, steps, values in (("loss", curves.train_steps, curves.train_loss),
+                                       ("val_loss", curves.val_steps, curves.val_loss)):
+                if key not in record:
+                    continue
+                step, value = record.get("step"), record[key]
+                if not isinstance(step, int) or isinstance(step, bool):
+                    raise OpenflashError(f"{path}:{number}: '{key}' line needs an integer 'step', got {step!r}")
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise OpenflashError(f"{path}:{number}: '{key}' must be a number, got {value!r}")
+                steps.append(step)
+                values.append(float(value))
+    if not curves.train_loss and not curves.val_loss:
+        raise OpenflashError(f"{path} has no loss lines (no 'loss' or 'val_loss' values)")
+    return curves
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw train and validation loss against step; returns the PNG path (default RUN_DIR/loss.png)."""
+    # The object-oriented Figure API with the Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    curves = read_metrics(run_dir / METRICS_FILE)
+    out = Path(out) if out is not None else run_dir / "loss.png"
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if curves.train_loss:
+        ax.plot(curves.train_steps, curves.train_loss, color="tab:blue", linewidth=1.0, alpha=0.8, label="train")
+    if curves.val_loss:
+        ax.plot(curves.val_steps, curves.val_loss, color="tab:orange", linewidth=1.5, marker="o", markersize=3,
+                label="validation")
+    finite = [v for v in curves.train_loss + curves.val_loss if math.isfinite(v)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        ax.set_yscale("log")  # early losses (~ln vocab) dwarf late ones
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{run_dir.resolve().name}: loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
+
+
+def cli_plot(args: argparse.Namespace) -> int:
+    """`openflash plot RUN_DIR [--out PNG]`."""
+    path = plot_run(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
