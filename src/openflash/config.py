@@ -192,6 +192,12 @@ class FlashConfig:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
     @property
+    def has_vision(self) -> bool:
+        """A vision tower exists (vision_config.num_hidden_layers > 0): the router then has `bias_vl`."""
+        vision = self.extra_root.get("vision_config") or {}
+        return bool(vision.get("num_hidden_layers", 0))
+
+    @property
     def backbone_ratios(self) -> list[int]:
         return self.compress_ratios[: self.num_hidden_layers]
 

@@ -1,0 +1,293 @@
+"""Checkpoints in the official layout: load and save (spec: checkpoint.md).
+
+Tensor names are the reference module names (`layers.3.attn.wq_b.weight`, `.scale`, `layers.1.engram.embed.weight`,
+...), which are also this package's module names, so loading is 1:1. What changes on load is only the dtype:
+quantized tensors (FP8 E4M3 + UE8M0 block scales, packed FP4 experts as I8, FP8 Engram rows) stay quantized;
+bf16/f32 tensors become fp32 parameters; `attn.wo_a` is dequantized once (the reference's convert step).
+A folder holds `config.json` and either `model.safetensors` or shards with `model.safetensors.index.json`;
+tensors are read straight from the memory-mapped files, once.
+
+Loading checks every name, shape and dtype and reports all problems at once. Tensors of parts openflash does not
+implement (vision tower, DSpark draft stages) are listed and skipped, never silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from openflash import formats
+from openflash.config import FlashConfig, load_config
+from openflash.errors import CheckpointError
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import load_tokenizer
+from openflash.model.numerics import NUMERICS, Numerics
+from openflash.model.transformer import Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
+UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
+
+_TORCH_TO_ST = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8",
+                torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+_FLOAT_ST = ("BF16", "F32", "F16")
+# Official storage of the dense linears that the release keeps in FP8 with 32x32 UE8M0 blocks (checkpoint.md §3).
+_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)"
+                         r"\.weight$")
+_FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
+_F32_NAMES = re.compile(r"(attn_sink|gate\.bias|gate\.bias_vl|hc_(attn|ffn)_(fn|base|scale))$")
+
+
+@dataclass
+class LoadReport:
+    path: Path
+    tensors: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # unimplemented part -> tensor count
+
+    def summary(self) -> str:
+        text = f"{self.path}: loaded {self.tensors} tensors"
+        if self.skipped:
+            text += "; skipped (not implemented: " + ", ".join(f"{k} {v}" for k, v in self.skipped.items()) + ")"
+        return text
+
+
+# ---- reading -------------------------------------------------------------------------------------------------
+
+class _TensorFiles:
+    """name -> (file, dtype, shape) over a single file or an index of shards; tensors read on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index, single = folder / INDEX_FILE, folder / SINGLE_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {exc}") from None
+            files = sorted(set(weight_map.values()))
+        elif single.exists():
+            files = [SINGLE_FILE]
+            weight_map = None
+        else:
+            raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+        self.handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            path = folder / name
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from None
+            self.handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+        if weight_map is not None:
+            listed, found = set(weight_map), set(self.where)
+            if listed != found:
+                missing = sorted(listed - found)[:5]
+                raise CheckpointError(f"{index}: weight_map and shard contents disagree (e.g. listed but absent: "
+                                      f"{missing}; present but unlisted: {sorted(found - listed)[:5]})")
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def info(self, name: str) -> tuple[str, list[int]]:
+        s = self.handles[self.where[name]].get_slice(name)
+        return s.get_dtype(), list(s.get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def _expected_dtype(tensor: torch.Tensor) -> str:
+    return _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
+
+
+def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
+                    tokenizer_path: str | Path | None = None) -> tuple[Transformer, LoadReport]:
+    """Build the model of a checkpoint folder and load its weights; returns (model in eval mode, report)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a checkpoint folder")
+    cfg = load_config(folder)
+    files = _TensorFiles(folder)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = model.state_dict()
+    report = LoadReport(folder)
+
+    problems: list[str] = []
+    present = set(files.names())
+    for name in sorted(present):
+        prefix = next((p for p in UNIMPLEMENTED_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            report.skipped[prefix.rstrip(".")] = report.skipped.get(prefix.rstrip("."), 0) + 1
+            continue
+        if name not in expected and not (name.endswith("wo_a.scale") and name[:-5] + "weight" in expected):
+            problems.append(f"unexpected tensor {name}")
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in expected.items():
+        if name not in present:
+            problems.append(f"missing tensor {name}")
+            continue
+        dtype, shape = files.info(name)
+        want_dtype = _expected_dtype(meta)
+        wo_a_fp8 = name.endswith("wo_a.weight") and dtype == "F8_E4M3"
+        if list(meta.shape) != shape:
+            problems.append(f"tensor {name} has shape {shape}, expected {list(meta.shape)}")
+            continue
+        if want_dtype == "F32" and meta.is_floating_point():
+            if dtype not in _FLOAT_ST and not wo_a_fp8:
+                problems.append(f"tensor {name} has dtype {dtype}, expected one of {', '.join(_FLOAT_ST)}")
+                continue
+        elif dtype != want_dtype:
+            problems.append(f"tensor {name} has dtype {dtype}, expected {want_dtype}")
+            continue
+        if problems:
+            continue  # keep validating, but stop reading tensors once the checkpoint is known to be bad
+        tensor = files.get(name)
+        if wo_a_fp8:
+            scale_name = name[:-len("weight")] + "scale"
+            if scale_name not in present:
+                problems.append(f"missing tensor {scale_name} (FP8 {name} needs its block scale)")
+                continue
+            tensor = formats.dequantize_fp8_blocks(tensor, files.get(scale_name))
+            # The reference holds wo_a in bf16 after its convert step (exact for FP8 values).
+            tensor = tensor.to(torch.bfloat16)
+        if want_dtype == "F32" and meta.is_floating_point():
+            tensor = tensor.to(torch.float32)
+        state[name] = tensor.to(device)
+    if problems:
+        shown = "\n  ".join(problems[:40])
+        more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+        raise CheckpointError(f"{folder}: checkpoint does not match the config ({len(problems)} problems):\n  "
+                              f"{shown}{more}")
+    model.load_state_dict(state, assign=True, strict=True)
+    _materialize_runtime_buffers(model, device)
+    report.tensors = len(state)
+    tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
+    if cfg.engram_layer_ids:
+        tokenizer = load_tokenizer(tok_path if tok_path.exists() else None)
+        model.attach_engram_frontend(EngramFrontend.for_config(cfg, tokenizer))
+    model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
+    return model.eval(), report
+
+
+def _materialize_runtime_buffers(model: Transformer, device: str | torch.device) -> None:
+    """Non-persistent buffers (statistics) are not in the checkpoint: create them on the target device."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                module.register_buffer(name, torch.zeros(buf.shape, dtype=buf.dtype, device=device),
+                                       persistent=False)
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
+
+def _official_tensors(model: Transformer, name: str, tensor: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensor(s) stored for one state_dict entry. dtype: fp32 (as trained), bf16, or fp8 (official layout:
+    FP8 dense linears, FP4 routed experts, FP8 Engram rows, bf16 elsewhere, F32 for the fp32 params)."""
+    t = tensor.detach().cpu()
+    if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return {name: t.contiguous()}  # already stored quantized (or integer)
+    if dtype == "fp32" or _F32_NAMES.search(name):
+        return {name: t.float().contiguous()}
+    if dtype == "fp8":
+        if _FP8_LINEAR.search(name):
+            q, s = formats.quantize_fp8_blocks(t.float())
+            return {name: q.view(torch.float8_e4m3fn), name[:-len("weight")] + "scale": s.view(torch.float8_e8m0fnu)}
+        if _FP4_EXPERT.search(name):
+            packed, s = formats.quantize_mxfp4(t.float())
+            return {name: packed.view(torch.int8), name[:-len("weight")] + "scale": s.view(torch.float8_e8m0fnu)}
+        if name.endswith("engram.embed.weight"):
+            q, s = formats.encode_window_fp8(t.float())  # per-row UE8M0 per 32 (engram.md §5)
+            return {name: q.view(torch.float8_e4m3fn), name[:-len("weight")] + "scale": s.view(torch.float8_e8m0fnu)}
+    return {name: t.to(torch.bfloat16).contiguous()}
+
+
+def save_checkpoint(model: Transformer, path: str | Path, *, dtype: str = "fp32",
+                    tokenizer_json: str | Path | None = None, max_shard_bytes: int = 4 << 30) -> Path:
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes), atomically per file.
+
+    dtype "fp32" keeps trained weights exactly (training checkpoints), "bf16" halves them, "fp8" quantizes to the
+    official released layout (loadable by the reference code and by engines that read the official checkpoint).
+    """
+    if dtype not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"checkpoint dtype must be fp32, bf16 or fp8, got {dtype!r}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensors.update(_official_tensors(model, name, tensor, dtype))
+    cfg = model.cfg
+    if dtype == "fp8":
+        cfg = cfg.replace(weight_dtype="fp8", expert_dtype="fp4")
+    elif cfg.weight_dtype != "fp8":
+        cfg = cfg.replace(weight_dtype=dtype, expert_dtype=dtype)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in list(folder.glob("model*.safetensors")) + [folder / INDEX_FILE]:
+        if stale.exists():
+            stale.unlink()
+    if len(shards) == 1:
+        _atomic_save(shards[0], folder / SINGLE_FILE)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save(shard, folder / name)
+            for key, t in shard.items():
+                weight_map[key] = name
+                total += t.numel() * t.element_size()
+        _atomic_write_text(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                                            "weight_map": weight_map}, indent=1))
+    _atomic_write_text(folder / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    if tokenizer_json is not None:
+        _atomic_write_text(folder / "tokenizer.json", Path(tokenizer_json).read_text())
+    return folder
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def count_by_dtype(folder: str | Path) -> dict[str, int]:
+    """Tensor counts per stored dtype (for reports and tests)."""
+    files = _TensorFiles(Path(folder))
+    counts: dict[str, int] = defaultdict(int)
+    for name in files.names():
+        counts[files.info(name)[0]] += 1
+    return dict(counts)

@@ -1,0 +1,36 @@
+"""Token ids -> Engram hash ids: the token map plus the n-gram hasher, with the per-sequence history.
+
+Hash ids depend on token ids alone, so whoever knows the tokens first (the engine, right after sampling; the
+trainer, for the next batch) can compute them and start fetching rows before the model needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from openflash.config import FlashConfig
+from openflash.memory.hashing import EngramHashLayout, EngramHashState, NgramHasher, compress
+from openflash.memory.tokenmap import TokenMap, load_tokenizer
+
+
+@dataclass
+class EngramFrontend:
+    token_map: TokenMap
+    layout: EngramHashLayout
+    hasher: NgramHasher
+
+    @classmethod
+    def for_config(cls, cfg: FlashConfig, tokenizer: Tokenizer | None = None) -> "EngramFrontend":
+        """Build from the model's tokenizer (default: the DeepSeek tokenizer, restricted to vocab_size ids)."""
+        tok = tokenizer if tokenizer is not None else load_tokenizer(None)
+        token_map = TokenMap.for_config(tok, cfg)
+        layout = EngramHashLayout.from_config(cfg, token_map)
+        return cls(token_map, layout, NgramHasher(layout))
+
+    def hash(self, input_ids: torch.Tensor, state: EngramHashState,
+             token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
+        """Hash ids [B, S, n_engram_layers, C] of a chunk following `state`, and the state after it."""
+        return self.hasher.hash(compress(input_ids, self.token_map, token_mask), state)

@@ -1,0 +1,309 @@
+"""CSA2 attention: sliding window + shared compressed KV chosen by the indexer (spec: architecture.md §5).
+
+Every layer has a query path (q-LoRA), its own sliding-window KV (one 512-d latent serving as key and value for
+all heads) and a grouped low-rank output. What else it does depends on its mode (config.LayerMode):
+- FULL: its Compressor turns each group of `ratio` tokens into one latent; it publishes the compressed KV and the
+  index keys (and runs its own indexer);
+- REINDEX: runs its own indexer over its owner's index keys;
+- REUSE: reads the owner's compressed KV and the latest top-k, recomputing nothing;
+- WINDOW: window only.
+Queries attend to [window keys | selected compressed entries] with a per-head sink logit in the denominator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openflash.config import FlashConfig, LayerMode, LayerTopology
+from openflash.model.cache import CompressedCache
+from openflash.model.context import CompressedView, StepContext
+from openflash.model.indexer import Indexer, visible_entries
+from openflash.model.layers import Linear, NumericsMixin, RMSNorm
+from openflash.model.rope import Rotary
+
+# Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
+_MAX_FLOOR = -1e30
+
+
+class Compressor(nn.Module, NumericsMixin):
+    """Pools each group of `ratio` consecutive tokens into one latent, returned before RoPE (§5.5).
+
+    Ratio 1: latent = norm(wkv(x)). Ratio >= 2: a per-channel softmax over the group's gate scores weights the
+    group's kv (fp32), then the latent is normalised. A group may straddle calls: the tokens of the open group
+    are kept in the cache (slot = position % ratio) until the group completes.
+    """
+
+    def __init__(self, cfg: FlashConfig, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        # Ratio >= 2 weights are fp32 in the reference (exact fp32 outputs); ratio 1 runs in bf16.
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim, exact_fp32=ratio > 1)
+        if ratio > 1:
+            self.wgate = Linear(cfg.hidden_size, cfg.head_dim, exact_fp32=True)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                state: CompressedCache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(latents [B, G, D], entry ids [B, G], complete [B, G]) for the groups this chunk touches."""
+        B, S, _ = x.shape
+        r = self.ratio
+        if r == 1:
+            latent = self.norm(self.wkv(x))
+            return latent, positions, torch.ones_like(positions, dtype=torch.bool)
+        kv, score = self.wkv(x.float()), self.wgate(x.float())
+        start = positions[:, 0]
+        shift = start % r if state is not None else torch.zeros_like(start)
+        fill = shift + S
+        groups = -(-int(fill.max()) // r)
+        buf_kv = x.new_zeros(B, groups * r, kv.shape[-1], dtype=torch.float32)
+        # Empty slots get a huge finite negative score (not -inf) so that no softmax sees an all -inf group.
+        buf_score = torch.full_like(buf_kv, _MAX_FLOOR)
+        if state is not None:
+            held = torch.arange(r, device=x.device) < shift.unsqueeze(1)  # slots of the open group seen before
+            buf_kv[:, :r] = torch.where(held.unsqueeze(-1), state.partial_kv, 0.0)
+            buf_score[:, :r] = torch.where(held.unsqueeze(-1), state.partial_score, _MAX_FLOOR)
+        slot = (shift.unsqueeze(1) + torch.arange(S, device=x.device)).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        buf_kv = buf_kv.scatter(1, slot, kv)
+        buf_score = buf_score.scatter(1, slot, score)
+        grouped_kv = buf_kv.view(B, groups, r, -1)
+        weights = torch.softmax(buf_score.view(B, groups, r, -1), dim=2)
+        pooled = (grouped_kv * weights).sum(dim=2)
+        complete = (torch.arange(groups, device=x.device) + 1) * r <= fill.unsqueeze(1)
+        entry_ids = torch.div(start, r, rounding_mode="floor").unsqueeze(1) + torch.arange(groups, device=x.device)
+        if state is not None:
+            open_group = torch.div(fill, r, rounding_mode="floor")
+            idx = (open_group.unsqueeze(1) * r + torch.arange(r, device=x.device)).clamp(max=groups * r - 1)
+            idx = idx.unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+            has = (torch.arange(r, device=x.device) < (fill % r).unsqueeze(1)).unsqueeze(-1)
+            state.partial_kv = torch.where(has, buf_kv.gather(1, idx), 0.0).detach()
+            state.partial_score = torch.where(has, buf_score.gather(1, idx), float("-inf")).detach()
+        latent = self.norm(self.numerics.round(pooled))
+        return latent, entry_ids, complete
+
+
+def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
+                     selected_kv: torch.Tensor, selected_mask: torch.Tensor, sink: torch.Tensor,
+                     scale: float, round_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B,S,H,D] over window keys [B,L,D] (mask [B,S,L]) and selected compressed entries
+    [B,S,K,D] (mask [B,S,K]), K = V, with a per-head sink logit only in the denominator (§5.10).
+
+    Returns (output [B,S,H,D], probabilities of the selected entries [B,S,H,K]).
+    """
+    zw = torch.einsum("bshd,bld->bshl", q, window_kv) * scale
+    zc = torch.einsum("bshd,bskd->bshk", q, selected_kv) * scale
+    zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
+    zc = zc.masked_fill(~selected_mask.unsqueeze(2), float("-inf"))
+    m = torch.maximum(torch.maximum(zw.amax(-1), zc.amax(-1) if zc.shape[-1] else zw.amax(-1)),
+                      torch.tensor(_MAX_FLOOR, device=q.device)).detach()
+    pw, pc = torch.exp(zw - m.unsqueeze(-1)), torch.exp(zc - m.unsqueeze(-1))
+    denom = pw.sum(-1) + pc.sum(-1) + torch.exp(sink.view(1, 1, -1) - m)
+    # The reference kernel casts probabilities to bf16 before the P.V product (quant_and_cache.md §4).
+    acc = torch.einsum("bshl,bld->bshd", round_fn(pw), window_kv) + \
+        torch.einsum("bshk,bskd->bshd", round_fn(pc), selected_kv)
+    return round_fn(acc / denom.unsqueeze(-1)), pc / denom.unsqueeze(-1)
+
+
+def reference_sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                               scale: float, block: int = 64) -> torch.Tensor:
+    """The reference kernel's exact numerics (quant_and_cache.md §4): indices processed in blocks of 64 with an
+    online softmax from a running max of -1e30, fp32 probabilities in the denominator, bf16 probabilities in the
+    P.V product, the sink added to the denominator last. q [B,S,H,D], kv [B,N,D], idx [B,S,T] (-1 = absent)."""
+    B, S, H, D = q.shape
+    rows = torch.arange(B, device=q.device).view(B, 1, 1)
+    acc = torch.zeros(B, S, H, D, device=q.device)
+    total = torch.zeros(B, S, H, device=q.device)
+    running_max = torch.full((B, S, H), _MAX_FLOOR, device=q.device)
+    for t in range(0, idx.shape[-1], block):
+        ids = idx[..., t: t + block]
+        valid = ids >= 0
+        kv_blk = kv[rows, ids.clamp(min=0)] * valid.unsqueeze(-1)
+        z = torch.where(valid.unsqueeze(2), torch.einsum("bshd,bskd->bshk", q, kv_blk), float("-inf")) * scale
+        new_max = torch.maximum(running_max, z.amax(dim=-1))
+        rescale = torch.exp(running_max - new_max)
+        p = torch.exp(z - new_max.unsqueeze(-1))
+        total = total * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(torch.bfloat16).float(), kv_blk)
+        running_max = new_max
+    total = total + torch.exp(sink.view(1, 1, -1) - running_max)
+    return (acc / total.unsqueeze(-1)).to(torch.bfloat16).float()
+
+
+def reference_window_layout(kv: torch.Tensor, pos: torch.Tensor, ring_kv: torch.Tensor | None,
+                            window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's window part of the KV list and its per-query indices (architecture.md §5.3): the chunk's
+    own kv in prefill, the ring after this token's write (oldest slot first) in decode. None for other shapes
+    (chunked prefill), which the reference does not support."""
+    B, S = pos.shape
+    if bool((pos[:, 0] == 0).all()):
+        i = torch.arange(S, device=kv.device).unsqueeze(1)
+        ids = (i - window + 1).clamp(min=0) + torch.arange(min(S, window), device=kv.device)
+        ids = torch.where(ids > i, -1, ids)
+        return kv, ids.unsqueeze(0).expand(B, -1, -1)
+    if S == 1 and ring_kv is not None:
+        p = pos[:, 0]
+        ring = ring_kv.clone()
+        ring[torch.arange(B, device=kv.device), p % window] = kv[:, 0]
+        oldest = (p % window + 1).unsqueeze(1)
+        slots = (oldest + torch.arange(window, device=kv.device)) % window
+        slots = torch.where(slots > p.unsqueeze(1), -1, slots)
+        return ring, slots.unsqueeze(1)
+    return None
+
+
+class Attention(nn.Module, NumericsMixin):
+    def __init__(self, cfg: FlashConfig, topo: LayerTopology) -> None:
+        super().__init__()
+        self.topo = topo
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.o_groups, self.o_lora = cfg.o_groups, cfg.o_lora_rank
+        self.scale = self.head_dim ** -0.5  # no YaRN mscale (§5.1)
+        dense = "fp8" if cfg.weight_dtype == "fp8" else "float"
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dense)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dense)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, dense)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # wo_a is held unquantized (the reference dequantizes it at load); block-diagonal over o_groups.
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora)
+        self.wo_b = Linear(self.o_groups * self.o_lora, cfg.hidden_size, dense)
+        self.rotary = Rotary(cfg, topo.rope_theta, topo.rope_yarn)
+        if topo.mode == LayerMode.FULL:
+            self.compressor = Compressor(cfg, topo.compress_ratio)
+        if topo.has_indexer:
+            self.indexer = Indexer(cfg, topo, self.rotary)
+
+    # ---- compressed KV (FULL layers) -------------------------------------------------------------------------
+    def publish_compressed(self, x: torch.Tensor, ctx: StepContext) -> None:
+        """Compress this chunk, store new entries (cache) and publish the readable view in ctx."""
+        ratio = self.topo.compress_ratio
+        state = ctx.cache.compressed[self.topo.index] if ctx.cache is not None else None
+        latent, entry_ids, complete = self.compressor(x, ctx.positions, state)
+        entry_pos = entry_ids * ratio  # a latent stands for the first token of its group
+        index_k = self.indexer.index_keys(latent, entry_pos)
+        cos, sin = self.rotary.angles(entry_pos)
+        kv = self.numerics.compressed_kv(self.numerics.round(self.rotary.apply(latent, cos, sin)))
+        if state is None:
+            n = int(complete[0].sum())  # a training sequence starts at 0: complete groups form a prefix
+            view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
+        else:
+            b_idx, g_idx = complete.nonzero(as_tuple=True)
+            if b_idx.numel():
+                rows = entry_ids[b_idx, g_idx]
+                state.ensure_capacity(int(rows.max()) + 1)
+                state.kv[b_idx, rows] = kv[b_idx, g_idx].detach().to(state.kv.dtype)
+                state.index_k[b_idx, rows] = index_k[b_idx, g_idx].detach().to(state.index_k.dtype)
+            if b_idx.numel():
+                ctx.cache.meta["index_k_publisher"] = self.topo.index
+            state.length = visible_entries(ctx.positions[:, -1], ratio)
+            t = int(state.length.max())
+            view = CompressedView(state.kv[:, :t], state.index_k[:, :t], state.length)
+        ctx.compressed[self.topo.index] = view
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        n, topo = self.numerics, self.topo
+        B, S, _ = x.shape
+        pos = ctx.positions
+        cos, sin = self.rotary.angles(pos)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        q = n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2)))
+        kv = n.round(self.rotary.apply(self.kv_norm(self.wkv(x)), cos, sin))
+        kv = n.window_kv(kv)
+
+        # Window keys: the ring of earlier tokens (if any) then this chunk; visible iff within `window` behind.
+        if ctx.cache is not None:
+            ring = ctx.cache.window[topo.index]
+            window_kv = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
+            window_pos = torch.cat((ring.pos, pos), dim=1)
+        else:
+            window_kv, window_pos = kv, pos
+        kp, qp = window_pos.unsqueeze(1), pos.unsqueeze(2)
+        window_mask = (kp >= 0) & (kp <= qp) & (kp > qp - self.window)
+
+        selected_kv = kv.new_zeros(B, S, 0, self.head_dim)
+        selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
+        index_scores = picks = None
+        if topo.mode != LayerMode.WINDOW:
+            if topo.mode == LayerMode.FULL and topo.index not in ctx.compressed:
+                self.publish_compressed(x, ctx)  # (bounded replay publishes it before the decoder tail runs)
+            view = ctx.compressed[topo.kv_owner]
+            if topo.has_indexer:
+                # The indexer learns only from its own KL loss: its inputs are detached in training (§5.8, spec
+                # training notes); at inference detaching changes nothing.
+                key_view = _stale_index_keys(view, ctx) if n.stale_index_keys else view
+                picks, index_scores = self.indexer(x.detach(), qr.detach(), ctx, key_view)
+            else:
+                picks = ctx.topk[topo.topk_owner]
+            if ctx.dense_indexer:
+                # Indexer warm-up: attend to every visible compressed entry (dense), no selection.
+                T = view.kv.shape[1]
+                n_vis = torch.minimum(visible_entries(pos, topo.compress_ratio), view.length.unsqueeze(1))
+                picks = torch.arange(T, device=x.device).expand(B, S, T)
+                picks = torch.where(picks < n_vis.unsqueeze(-1), picks, torch.full_like(picks, -1))
+            selected_mask = picks >= 0
+            rows = torch.arange(B, device=x.device).view(B, 1, 1)
+            selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
+
+        layout = None
+        if n.bf16_boundaries and not ctx.dense_indexer:
+            ring = ctx.cache.window[topo.index].kv if ctx.cache is not None else None
+            layout = reference_window_layout(kv, pos, ring, self.window)
+        if layout is not None:
+            # Reference numerics: one KV list [window | compressed] and index list, in the reference's order.
+            kv_list, ids = layout
+            if picks is not None:
+                kv_list = torch.cat((kv_list, ctx.compressed[topo.kv_owner].kv.to(kv.dtype)), dim=1)
+                offset = layout[0].shape[1]
+                ids = torch.cat((ids, torch.where(picks >= 0, picks + offset, -1)), dim=-1)
+            o, p_selected = reference_sparse_attention(q, kv_list, ids, self.attn_sink.float(), self.scale), None
+        else:
+            o, p_selected = sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask,
+                                             self.attn_sink.float(), self.scale, n.round)
+        if index_scores is not None and self.training:
+            ctx.indexer_losses.append(_indexer_kl(index_scores, picks, p_selected))
+        if ctx.cache is not None:
+            ctx.cache.window[topo.index].write(kv.detach(), pos, torch.ones_like(pos, dtype=torch.bool))
+
+        # Inverse RoPE at the query positions, then the block-diagonal grouped low-rank output (§5.11).
+        o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
+        o = o.reshape(B, S, self.o_groups, -1)
+        wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
+        if n.bf16_boundaries:  # the reference's bf16 einsum
+            t = torch.einsum("bsgd,grd->bsgr", o.to(torch.bfloat16), wo_a.to(torch.bfloat16)).float()
+        else:
+            t = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(t.flatten(2))
+
+
+def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:
+    """The reference's decode quirk: index keys come from the layer that published them last (any layer)."""
+    publisher = None if ctx.cache is None else ctx.cache.meta.get("index_k_publisher")
+    if publisher is None:
+        return view
+    keys = ctx.cache.compressed[publisher].index_k[:, : view.kv.shape[1]]
+    if keys.shape[1] < view.kv.shape[1]:
+        keys = F.pad(keys, (0, 0, 0, view.kv.shape[1] - keys.shape[1]))
+    return CompressedView(view.kv, keys, view.length)
+
+
+def _indexer_kl(index_scores: torch.Tensor, picks: torch.Tensor, p_selected: torch.Tensor) -> torch.Tensor:
+    """KL(attention || indexer) over the attended compressed entries; only the indexer receives gradients.
+
+    Target: the main attention's probability mass on each attended entry, summed over heads and renormalised
+    (detached). Prediction: softmax of the index scores over the same entries.
+    """
+    valid = picks >= 0
+    target = p_selected.detach().sum(dim=2).masked_fill(~valid, 0.0)
+    total = target.sum(-1, keepdim=True)
+    rows = (total.squeeze(-1) > 0) & valid.any(-1)
+    if not rows.any():
+        return index_scores.sum() * 0.0
+    target = target / total.clamp(min=1e-30)
+    scores = index_scores.gather(-1, picks.clamp(min=0)).masked_fill(~valid, float("-inf"))
+    log_q = F.log_softmax(scores.float(), dim=-1).masked_fill(~valid, 0.0)
+    kl = (target * (torch.log(target.clamp(min=1e-30)) - log_q)).masked_fill(~valid, 0.0).sum(-1)
+    return kl[rows].mean()

@@ -1,0 +1,119 @@
+"""The lightning indexer: which compressed entries each query attends to (spec: architecture.md §5.6, §5.8, §5.9).
+
+score[b, s, t] = sum_h ReLU(q_idx[b, s, h] . K[b, t]) * w[b, s, h], over the entries t visible to query s
+(entry t covers tokens [t*ratio, (t+1)*ratio) and is visible once its whole group lies at or before the query).
+The top `index_topk` entries are kept, re-sorted by ascending entry id; picks beyond the visible prefix become -1.
+Ties prefer the smaller entry id (the spec's documented `small_position` default; the reference's unsorted top-k
+leaves ties implementation-defined, UNCERTAIN §9.1).
+
+The candidate source (layer 20 released) also keeps, per query, the best `candidate_topk_blocks` blocks of
+`candidate_block_size` entries (block score = max entry score; the block holding the newest visible entry is
+pinned), and later REINDEX layers score only inside that pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openflash.config import FlashConfig, LayerTopology, LayerMode
+from openflash.model.context import CompressedView, StepContext
+from openflash.model.layers import Linear, NumericsMixin, RMSNorm
+from openflash.model.rope import Rotary
+
+
+def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Entries visible to a query at position p: floor((p + 1) / ratio) (§5.8 step 5)."""
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+def top_entries(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
+    """Top-k entry ids [B, S, k] ascending, ties to the smaller id, ids >= n_visible replaced by -1 (§5.8 step 7)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    picks = torch.sort(order, dim=-1).values
+    return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
+
+
+def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+    """Entry mask [B, S, T] of the best blocks per query (§5.9)."""
+    B, S, T = scores.shape
+    pad = (-T) % block_size
+    padded = F.pad(scores, (0, pad), value=float("-inf"))
+    block_score = padded.view(B, S, -1, block_size).amax(dim=-1)
+    total_blocks = block_score.shape[-1]
+    # Pin the block of the newest visible entry: it may be partly filled and lose to an older full block.
+    newest = torch.div(n_visible - 1, block_size, rounding_mode="floor").clamp(min=0)
+    pin = (n_visible > 0).unsqueeze(-1) & (torch.arange(total_blocks, device=scores.device) == newest.unsqueeze(-1))
+    block_score = block_score.masked_fill(pin, float("inf"))
+    keep_n = min(n_blocks, total_blocks)
+    kept = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[..., :keep_n]
+    kept_score = block_score.gather(-1, kept)
+    block_mask = torch.zeros_like(block_score, dtype=torch.bool)
+    block_mask.scatter_(-1, kept, kept_score > float("-inf"))  # kept but unreachable blocks are dropped
+    return block_mask.repeat_interleave(block_size, dim=-1)[..., :T]
+
+
+class Indexer(nn.Module, NumericsMixin):
+    def __init__(self, cfg: FlashConfig, topo: LayerTopology, rotary: Rotary) -> None:
+        super().__init__()
+        self.topo = topo
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.n_blocks, self.block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        dense = "fp8" if cfg.weight_dtype == "fp8" else "float"
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dense)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        if topo.mode == LayerMode.FULL:
+            self.wk = Linear(cfg.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        # Head-weight scale index_head_dim^-0.5 * index_n_heads^-0.5 (1/64 released).
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def index_keys(self, latent: torch.Tensor, entry_positions: torch.Tensor) -> torch.Tensor:
+        """Index keys of new compressed entries from their pre-RoPE latent (FULL layers, §5.6)."""
+        k = self.k_norm(self.wk(latent))
+        cos, sin = self.rotary.angles(entry_positions)
+        k = self.numerics.round(self.rotary.apply(k, cos, sin))
+        return self.numerics.index_fp4(k)
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext,
+               view: CompressedView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked index scores [B, S, T] (-inf where not visible) and the visible count per query [B, S]."""
+        n = self.numerics
+        B, S, _ = x.shape
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        cos, sin = self.rotary.angles(ctx.positions)
+        q = n.index_fp4(n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2))))
+        w = n.round(self.weights_proj(x) * self.weight_scale)
+        if n.bf16_boundaries:
+            # The reference computes these as bf16 tensor ops: logits, ReLU, weighting, head sum (§5.8 step 4).
+            bf = torch.bfloat16
+            logits = torch.einsum("bshd,btd->bsht", q.to(bf), view.index_k.to(bf))
+            score = (F.relu(logits) * w.to(bf).unsqueeze(-1)).sum(dim=2).float()
+        else:
+            logits = torch.einsum("bshd,btd->bsht", q, view.index_k.to(q.dtype))
+            score = (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
+        T = view.kv.shape[1]
+        n_visible = torch.minimum(visible_entries(ctx.positions, self.topo.compress_ratio), view.length.unsqueeze(1))
+        visible = torch.arange(T, device=x.device) < n_visible.unsqueeze(-1)
+        return score.masked_fill(~visible, float("-inf")), n_visible
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext,
+                view: CompressedView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Publish this layer's top-k (and the candidate pool at the candidate source).
+
+        Returns (top-k entry ids [B, S, k], masked scores [B, S, T]); the scores feed the indexer's KL loss.
+        """
+        score, n_visible = self.scores(x, qr, ctx, view)
+        if self.topo.is_candidate_source:
+            ctx.candidates = candidate_pool(score, n_visible, self.n_blocks, self.block_size)
+            ctx.put(f"indexer{self.topo.index}.candidates", ctx.candidates)
+        if self.topo.uses_candidates and ctx.candidates is not None:
+            score = score.masked_fill(~ctx.candidates, float("-inf"))
+        k = min(self.topk, score.shape[-1])
+        picks = top_entries(score, k, n_visible)
+        ctx.put(f"indexer{self.topo.index}.scores", score)
+        ctx.put(f"indexer{self.topo.index}.topk", picks)
+        ctx.topk[self.topo.index] = picks
+        return picks, score

@@ -1,0 +1,115 @@
+"""Primitive layers: RMSNorm and a Linear that stores its weight as the checkpoint does (spec: architecture.md §3).
+
+A `Linear` holds its weight in one of three storage kinds:
+- "float": a trainable fp32 parameter `weight` (models trained here, and bf16/fp32 checkpoint tensors);
+- "fp8": `weight` FP8 E4M3 [out, in] + `scale` UE8M0 [ceil(out/32), ceil(in/32)] (dense released linears);
+- "fp4": `weight` I8 [out, in/2] (two E2M1 codes per byte) + `scale` UE8M0 [out, in/32] (routed experts).
+Quantized weights are dequantized to fp32 once and cached (the CPU path is compute-bound on tiny and small models,
+and re-dequantizing every call costs more than the matmul); the cache is rebuilt when the stored bytes change.
+Inputs to quantized weights are FP8-quantized per 32 channels first, as the reference's GEMMs do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openflash import formats
+from openflash.model.numerics import FP32, Numerics
+
+
+class NumericsMixin:
+    """Modules that round or quantize read the model's policy from `self.numerics` (set by the Transformer)."""
+
+    numerics: Numerics = FP32
+
+
+class RMSNorm(nn.Module, NumericsMixin):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (architecture.md §3.1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return self.numerics.round(y)
+
+
+class Linear(nn.Module, NumericsMixin):
+    """y = x W^T with W stored as "float", "fp8" or "fp4" (see module doc). No bias: V4.1 has none."""
+
+    def __init__(self, in_features: int, out_features: int, storage: str = "float", exact_fp32: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.storage = in_features, out_features, storage
+        # fp32 weights in the reference (head, ratio-2 compressor) give fp32 outputs: never rounded to bf16.
+        self.exact_fp32 = exact_fp32
+        if storage == "float":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+            nn.init.normal_(self.weight, std=in_features ** -0.5)
+        elif storage == "fp8":
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+            self.register_buffer("scale", torch.full((-(-out_features // 32), -(-in_features // 32)), 1.0,
+                                                     dtype=torch.float8_e8m0fnu))
+        elif storage == "fp4":
+            if in_features % 32:
+                raise ValueError(f"fp4 weights need in_features divisible by 32, got {in_features}")
+            self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.int8))
+            self.register_buffer("scale", torch.full((out_features, in_features // 32), 1.0,
+                                                     dtype=torch.float8_e8m0fnu))
+        else:
+            raise ValueError(f"unknown weight storage {storage!r} (float, fp8, fp4)")
+        self._dequant: torch.Tensor | None = None
+        self._dequant_key: tuple | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.storage != "float"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as fp32 [out, in]; cached for quantized storage."""
+        if not self.quantized:
+            return self.weight
+        key = (self.weight.data_ptr(), self.weight._version, self.scale._version, self.weight.device)
+        if self._dequant is None or self._dequant_key != key:
+            if self.storage == "fp8":
+                self._dequant = formats.dequantize_fp8_blocks(self.weight, self.scale)
+            else:
+                self._dequant = formats.dequantize_mxfp4(self.weight, self.scale)
+            self._dequant_key = key
+        return self._dequant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics.bf16_boundaries:
+            if self.quantized:
+                return self.numerics.round(self._block_scaled_gemm(x))
+            if not self.exact_fp32:  # the reference's bf16 GEMM, summation order included
+                return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()
+        w = self.dequantized_weight()
+        if self.quantized and self.numerics.act_quant:
+            x = formats.act_quant_qdq(x)
+        y = F.linear(x.to(w.dtype), w)
+        return y if self.exact_fp32 else self.numerics.round(y)
+
+    def _block_scaled_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference GEMM's summation order (quant_and_cache.md §3): per K block of 32, an exact fp32 partial
+        product of FP8 activations and FP8/FP4 weight codes, scaled and accumulated sequentially in K order."""
+        shape = x.shape
+        a, a_scale = formats.act_quant(x.reshape(-1, shape[-1]))
+        if self.storage == "fp8":
+            codes = formats.e4m3_decode(self.weight)
+            w_scale = formats.ue8m0_decode(self.scale).repeat_interleave(32, dim=0)[: self.out_features]
+        else:
+            codes = formats.e2m1_decode(formats.unpack_fp4(self.weight))
+            w_scale = formats.ue8m0_decode(self.scale)
+        acc = torch.zeros(a.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for k in range(self.in_features // 32):
+            block = slice(32 * k, 32 * (k + 1))
+            acc += (a[:, block] @ codes[:, block].t()) * a_scale[:, k: k + 1] * w_scale[:, k].unsqueeze(0)
+        return acc.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, storage={self.storage}"

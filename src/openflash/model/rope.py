@@ -1,0 +1,57 @@
+"""Rotary position embedding on the last `rope_dim` channels, interleaved pairs (spec: architecture.md §5.2).
+
+Ratio-0 layers use plain RoPE with `rope_theta`; ratio > 0 layers use `compress_rope_theta` with DeepSeek's YaRN
+frequency blend (no mscale). Angles are the fp32 product position * frequency, computed on the fly from absolute
+positions, so any position (and per-row positions in a batch) works without a precomputed table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from openflash.config import FlashConfig
+
+
+def rope_frequencies(cfg: FlashConfig, theta: float, yarn: bool) -> torch.Tensor:
+    """Per-pair frequencies omega'_i, i = 0 .. rope_dim/2 - 1, as fp32."""
+    dim = cfg.qk_rope_head_dim
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    if not yarn:
+        return freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    # The ramp runs over frequency indices although low/high come from a "dim" formula: reproduce exactly.
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 0.001)).clamp(0, 1)
+    return freqs * (1 - ramp) + freqs / cfg.rope_factor * ramp
+
+
+class Rotary:
+    """cos/sin for given absolute positions and rotation of the last rope_dim channels."""
+
+    def __init__(self, cfg: FlashConfig, theta: float, yarn: bool) -> None:
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.freqs = rope_frequencies(cfg, theta, yarn)
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [...] -> (cos, sin) fp32 [..., rope_dim/2]."""
+        freqs = self.freqs.to(positions.device)
+        angle = positions.to(torch.float32).unsqueeze(-1) * freqs
+        rotation = torch.polar(torch.ones_like(angle), angle)  # the reference's table: cos/sin via polar
+        return rotation.real, rotation.imag
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate pairs (x[2i], x[2i+1]) of the last rope_dim channels; cos/sin broadcast against x[..., :1].
+
+        `inverse` uses the conjugate rotation (output de-rotation, architecture.md §5.11).
+        """
+        # Complex multiplication, as the reference does it (same fp32 rounding as its kernels' inputs).
+        pairs = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+        rotation = torch.complex(cos, -sin if inverse else sin)
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2)
+        return torch.cat((x[..., : -self.rope_dim], rotated.to(x.dtype)), dim=-1)

@@ -1,0 +1,262 @@
+"""The V4.1-Flash text model, top to bottom (spec: architecture.md §2, §4.4, §7).
+
+    hash ids = Engram hash of the tokens (memory/)            # addresses depend on tokens only
+    R = 4 copies of embed(tokens); pre = one-hot               # mHC residual streams
+    for each layer L:
+        if Engram sits before L: R = Engram_L(R, rows)         # looked up, not computed
+        R, pre = Block_L(R, pre)                               # attention (CSA2) + MoE, each wrapped in mHC
+    logits = head(norm(collapse(R, pre)))
+
+Two ways to run it:
+- `forward(input_ids, targets)`: a full causal sequence from position 0 (training), returning logits and loss,
+  plus the indexer's KL term;
+- `step(input_ids, cache)`: incremental inference; prefill chunks and decode steps carry all state in a
+  `ModelCache`. CED: the encoder half (layers before the decoder's KV owner) runs on every prompt token; in
+  `bounded` mode the decoder half runs only on the last `sliding_window` prompt positions (architecture.md §7.3),
+  in `exact` mode (the reference's behaviour, the default here) on all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openflash.config import FlashConfig, LayerTopology
+from openflash.memory.frontend import EngramFrontend
+from openflash.model.attention import Attention
+from openflash.model.cache import ModelCache, ReplayBuffer
+from openflash.model.context import CompressedView, StepContext
+from openflash.model.engram import Engram
+from openflash.model.layers import Linear, NumericsMixin, RMSNorm
+from openflash.model.mhc import collapse, expand_and_mix, hc_coefficients
+from openflash.model.moe import MoE
+from openflash.model.numerics import FP32, Numerics
+
+# rows(slot, hash_ids [B, S, C]) -> dequantized rows [B, S, C, dim]: an external Engram tier (memory/).
+RowSource = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, S, V] fp32
+    loss: torch.Tensor | None  # next-token cross-entropy (mean over targets != -100)
+    indexer_loss: torch.Tensor | None  # mean KL(attention || indexer) over indexer layers
+
+
+class Block(nn.Module, NumericsMixin):
+    """Attention and MoE sublayers, each wrapped in single-pass mHC (architecture.md §4.4)."""
+
+    def __init__(self, cfg: FlashConfig, topo: LayerTopology) -> None:
+        super().__init__()
+        self.topo = topo
+        hc, dim = cfg.hc_mult, cfg.hidden_size
+        self.hc, self.iters, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.attn = Attention(cfg, topo)
+        self.ffn = MoE(cfg, topo.index)
+        self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        rows = (2 + hc) * hc
+        for part in ("attn", "ffn"):
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.randn(rows, hc * dim) * 0.1 / (hc * dim) ** 0.5))
+            # Start close to the identity mix: a strong diagonal in comb, neutral pre/post.
+            base = torch.zeros(rows)
+            base[2 * hc:] = torch.eye(hc).flatten() * 4.0
+            self.register_parameter(f"hc_{part}_base", nn.Parameter(base))
+            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+        if topo.engram_before:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[topo.engram_slot])
+
+    def coefficients(self, residual: torch.Tensor, part: str):
+        return hc_coefficients(residual, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
+                               getattr(self, f"hc_{part}_scale"), self.hc, self.iters, self.eps)
+
+    def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.numerics
+        a_pre, a_post, a_comb = self.coefficients(residual, "attn")
+        u = self.attn_norm(collapse(residual, pre_in, n))  # pre_in: the previous sublayer's pre
+        r1 = expand_and_mix(self.attn(u, ctx), residual, a_post, a_comb, n)
+        f_pre, f_post, f_comb = self.coefficients(r1, "ffn")
+        v = self.ffn_norm(collapse(r1, a_pre, n))
+        r2 = expand_and_mix(self.ffn(v, ctx, image_mask), r1, f_post, f_comb, n)
+        return r2, f_pre
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: FlashConfig, engram_frontend: EngramFrontend | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.topology.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, exact_fp32=True)  # fp32 logits
+        self.numerics: Numerics = FP32
+        self._engram_frontend = engram_frontend
+        self.row_source: RowSource | None = None  # None: gather from the tables held in this module
+
+    # ---- configuration ---------------------------------------------------------------------------------------
+    def set_numerics(self, numerics: Numerics) -> "Transformer":
+        self.numerics = numerics
+        for module in self.modules():
+            if isinstance(module, NumericsMixin):
+                module.numerics = numerics
+        return self
+
+    @property
+    def engram_frontend(self) -> EngramFrontend:
+        """Token map + hasher; built on first use from the DeepSeek tokenizer unless one was attached."""
+        if self._engram_frontend is None:
+            self._engram_frontend = EngramFrontend.for_config(self.cfg)
+        return self._engram_frontend
+
+    def attach_engram_frontend(self, frontend: EngramFrontend) -> None:
+        self._engram_frontend = frontend
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch_size: int = 1, capacity: int = 0) -> ModelCache:
+        return ModelCache.empty(self.cfg, batch_size, device=self.device, capacity=capacity)
+
+    # ---- pieces ---------------------------------------------------------------------------------------------
+    def _streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.numerics.round(self.embed(input_ids).float())
+        residual = h.unsqueeze(2).expand(*h.shape[:2], self.cfg.hc_mult, h.shape[-1]).contiguous()
+        pre = torch.zeros(*h.shape[:2], self.cfg.hc_mult, device=h.device)
+        pre[..., 0] = 1.0  # one-hot initial pre mix: selects stream 0 (all streams are equal here)
+        return residual, pre
+
+    def _layers(self, residual: torch.Tensor, pre: torch.Tensor, layers: range, ctx: StepContext,
+                hash_ids: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        token_mask = None if image_mask is None else ~image_mask
+        for i in layers:
+            block = self.layers[i]
+            if block.topo.engram_before:
+                slot = block.topo.engram_slot
+                ids = hash_ids[:, :, slot]
+                rows = self.row_source(slot, ids) if self.row_source is not None else block.engram.embed.gather(ids)
+                residual = block.engram(residual, rows, token_mask)
+                ctx.put(f"engram{i}.out", residual)
+                residual = ctx.forced(f"engram{i}.out", residual)
+            residual, pre = block(residual, pre, ctx, image_mask)
+            ctx.put(f"block{i}.out", residual)
+            residual = ctx.forced(f"block{i}.out", residual)
+        return residual, pre
+
+    def _logits(self, residual: torch.Tensor, pre: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        u = collapse(residual, pre, self.numerics)  # collapse with the last block's FFN pre
+        ctx.put("final_hidden", u)
+        x = self.norm(u)
+        ctx.put("final_norm", x)
+        return self.head(x.float())
+
+    def hash_ids(self, input_ids: torch.Tensor, cache: ModelCache | None,
+                 image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Engram hash ids of a chunk; advances the cache's hash history."""
+        if not self.cfg.engram_layer_ids:
+            return None
+        frontend = self.engram_frontend
+        state = cache.engram if cache is not None else frontend.hasher.empty_state(input_ids.shape[0],
+                                                                                   input_ids.device)
+        ids, new_state = frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
+        if cache is not None:
+            cache.engram = new_state
+        return ids
+
+    # ---- training forward -----------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                hash_ids: torch.Tensor | None = None, dense_indexer: bool = False,
+                image_mask: torch.Tensor | None = None,
+                record: dict[str, torch.Tensor] | None = None) -> ForwardOutput:
+        """Full causal sequences [B, S] from position 0."""
+        B, S = input_ids.shape
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+        ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, record=record)
+        if hash_ids is None:
+            hash_ids = self.hash_ids(input_ids, None, image_mask)
+        residual, pre = self._streams(input_ids)
+        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, hash_ids, image_mask)
+        logits = self._logits(residual, pre, ctx)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        indexer_loss = torch.stack(ctx.indexer_losses).mean() if ctx.indexer_losses else None
+        return ForwardOutput(logits, loss, indexer_loss)
+
+    # ---- incremental inference -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
+             hash_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+             record: dict[str, torch.Tensor] | None = None, record_prefix: str = "",
+             teacher: dict[str, torch.Tensor] | None = None, all_logits: bool = False) -> torch.Tensor | None:
+        """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
+        each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
+
+        mode "exact": every layer on every token. mode "bounded": the decoder half waits for the last chunk and
+        then runs only on the last `sliding_window` prompt positions (its KV owner's compressor still sees every
+        token). Decode steps (S = 1) are the same in both modes.
+        """
+        if mode not in ("exact", "bounded"):
+            raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(1)
+        B, S = input_ids.shape
+        if cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
+        positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
+        if hash_ids is None:
+            hash_ids = self.hash_ids(input_ids, cache, image_mask)
+        # else: the caller hashed ahead (to prefetch rows) and has advanced cache.engram itself.
+        ctx = StepContext(positions, self.numerics, cache=cache, record=record, record_prefix=record_prefix,
+                          teacher=teacher)
+        if hash_ids is not None:
+            ctx.put("engram_hash", hash_ids)
+        residual, pre = self._streams(input_ids)
+        n_layers, split = len(self.layers), self.cfg.topology.decoder_start
+        if mode == "exact" and cache.replay is not None:
+            raise ValueError("this cache has a pending bounded-replay prefill; finish it in 'bounded' mode")
+        if mode == "exact" or split >= n_layers:
+            residual, pre = self._layers(residual, pre, range(n_layers), ctx, hash_ids, image_mask)
+            cache.pos = cache.pos + S
+            logits = self._logits(residual if all_logits else residual[:, -1:], pre if all_logits else pre[:, -1:],
+                                  ctx)
+            return logits if all_logits else logits[:, -1]
+
+        # Bounded replay: encoder on every token, plus the decoder KV owner's compressor and index keys.
+        residual, pre = self._layers(residual, pre, range(split), ctx, hash_ids, image_mask)
+        owner = self.layers[split]
+        owner_x = owner.attn_norm(collapse(residual, pre, self.numerics))
+        owner.attn.publish_compressed(owner_x, ctx)
+        cache.replay = _append_replay(cache.replay, residual, pre, positions, self.cfg.sliding_window)
+        cache.pos = cache.pos + S
+        if not last_chunk:
+            return None
+        replay, cache.replay = cache.replay, None
+        tail_ctx = StepContext(replay.positions, self.numerics, cache=cache, record=record,
+                               record_prefix=record_prefix, compressed={split: ctx.compressed[split]},
+                               teacher=teacher)
+        residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
+                                     None)
+        return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1]
+
+    def decode(self, input_ids: torch.Tensor, cache: ModelCache, **kwargs) -> torch.Tensor:
+        """One token per row [B] at each row's own position; returns logits [B, V]."""
+        return self.step(input_ids.view(-1, 1), cache, mode="exact", **kwargs)
+
+
+def _append_replay(replay: ReplayBuffer | None, residual: torch.Tensor, pre: torch.Tensor,
+                   positions: torch.Tensor, window: int) -> ReplayBuffer:
+    """Keep the decoder-half input of the last `window` prompt positions."""
+    if replay is not None:
+        residual = torch.cat((replay.residual, residual), dim=1)
+        pre = torch.cat((replay.pre_mix, pre), dim=1)
+        positions = torch.cat((replay.positions, positions), dim=1)
+    return ReplayBuffer(residual[:, -window:], pre[:, -window:], positions[:, -window:])
+
+
+__all__ = ["Transformer", "Block", "ForwardOutput", "CompressedView"]
