@@ -190,16 +190,11 @@ class Attention(nn.Module, NumericsMixin):
             view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
         else:
             b_idx, g_idx = complete.nonzero(as_tuple=True)
-            if b_idx.numel():
-                rows = entry_ids[b_idx, g_idx]
-                state.ensure_capacity(int(rows.max()) + 1)
-                state.kv[b_idx, rows] = kv[b_idx, g_idx].detach().to(state.kv.dtype)
-                state.index_k[b_idx, rows] = index_k[b_idx, g_idx].detach().to(state.index_k.dtype)
+            state.write(b_idx, entry_ids[b_idx, g_idx], kv[b_idx, g_idx].detach(), index_k[b_idx, g_idx].detach())
             if b_idx.numel():
                 ctx.cache.meta["index_k_publisher"] = self.topo.index
             state.length = visible_entries(ctx.positions[:, -1], ratio)
-            t = int(state.length.max())
-            view = CompressedView(state.kv[:, :t], state.index_k[:, :t], state.length)
+            view = CompressedView(*state.read(int(state.length.max())), state.length)
         ctx.compressed[self.topo.index] = view
 
     # ---- forward ----------------------------------------------------------------------------------------------
@@ -284,7 +279,7 @@ def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:
     publisher = None if ctx.cache is None else ctx.cache.meta.get("index_k_publisher")
     if publisher is None:
         return view
-    keys = ctx.cache.compressed[publisher].index_k[:, : view.kv.shape[1]]
+    keys = ctx.cache.compressed[publisher].read(view.kv.shape[1])[1]
     if keys.shape[1] < view.kv.shape[1]:
         keys = F.pad(keys, (0, 0, 0, view.kv.shape[1] - keys.shape[1]))
     return CompressedView(view.kv, keys, view.length)

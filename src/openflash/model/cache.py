@@ -61,6 +61,18 @@ class CompressedCache:
     partial_kv: torch.Tensor  # [B, ratio, head_dim] compressor inputs of the open group (slot = position % ratio)
     partial_score: torch.Tensor  # [B, ratio, head_dim] their gate scores (-inf = empty)
 
+    def write(self, rows: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store compressed entries: batch row rows[i] gets entry id entries[i]."""
+        if rows.numel() == 0:
+            return
+        self.ensure_capacity(int(entries.max()) + 1)
+        self.kv[rows, entries] = kv.to(self.kv.dtype)
+        self.index_k[rows, entries] = index_k.to(self.index_k.dtype)
+
+    def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
+        return self.kv[:, :n], self.index_k[:, :n]
+
     def ensure_capacity(self, needed: int) -> None:
         cap = self.kv.shape[1]
         if needed <= cap:

@@ -1,0 +1,113 @@
+"""Single-request generation with the incremental path (prefill, then decode steps), and `openflash generate`.
+
+The serving engine (scheduler, batching, prefix cache) lives next to this file; this is the plain loop that the
+demo and the CLI use, and the sequential baseline the engine's batched results are compared against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from openflash.config import PRESETS, load_config
+from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
+from openflash.errors import OpenflashError
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import load_tokenizer
+from openflash.model.transformer import Transformer
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" or "length"
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = max(len(self.token_ids) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def load_for_inference(model: str, tokenizer: str | None = None, numerics: str = "fp32",
+                       device: str = "cpu") -> tuple[Transformer, Tokenizer, str]:
+    """(model, tokenizer, note) from a checkpoint folder, or a preset with random weights (for smoke tests)."""
+    if model in PRESETS:
+        cfg = load_config(model)
+        tok = load_tokenizer(tokenizer)
+        torch.manual_seed(0)
+        net = Transformer(cfg).to(device)
+        if cfg.engram_layer_ids:
+            net.attach_engram_frontend(EngramFrontend.for_config(cfg, tok))
+        from openflash.model.numerics import NUMERICS
+        net.set_numerics(NUMERICS[numerics]).eval()
+        return net, tok, f"preset '{model}' with random weights (outputs are noise)"
+    from openflash.checkpoint import load_checkpoint
+
+    folder = Path(model)
+    tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
+    net, report = load_checkpoint(folder, device=device, numerics=numerics,
+                                  tokenizer_path=tok_path if tok_path.exists() else None)
+    tok = load_tokenizer(tok_path if tok_path.exists() else None)
+    return net, tok, report.summary()
+
+
+@torch.no_grad()
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], params: SamplingParams, *,
+             mode: str = "bounded", prefill_chunk: int = 512) -> GenerationResult:
+    """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string."""
+    params.validate()
+    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise OpenflashError("the prompt is empty after tokenization")
+    if max(ids) >= model.cfg.vocab_size:
+        raise OpenflashError(f"prompt token id {max(ids)} is outside the model's vocabulary ({model.cfg.vocab_size}): "
+                             f"wrong tokenizer for this model?")
+    device = model.device
+    cache = model.new_cache(1)
+    state = SamplerState.create(params)
+    start = time.perf_counter()
+    logits = None
+    for i in range(0, len(ids), prefill_chunk):
+        chunk = torch.tensor([ids[i: i + prefill_chunk]], device=device)
+        logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids))
+    prefill_s = time.perf_counter() - start
+    out: list[int] = []
+    finish, text = "length", ""
+    start = time.perf_counter()
+    while True:
+        token = int(sample(logits, [state])[0])
+        out.append(token)
+        if token in params.stop_token_ids or token == model.cfg.eos_token_id:
+            finish, text = "stop", tokenizer.decode(out[:-1])
+            break
+        text = tokenizer.decode(out)
+        cut = find_stop(text, params.stop)
+        if cut is not None:
+            finish, text = "stop", text[:cut]
+            break
+        if len(out) >= params.max_tokens:
+            break
+        logits = model.decode(torch.tensor([token], device=device), cache)
+    decode_s = time.perf_counter() - start
+    return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)
+
+
+def cli_generate(args: Any) -> int:
+    model, tok, note = load_for_inference(args.model, args.tokenizer)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    result = generate(model, tok, args.prompt, params)
+    print(f"# {note}")
+    print(args.prompt + result.text)
+    print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
+          f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
+    return 0

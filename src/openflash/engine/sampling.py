@@ -1,0 +1,96 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, stop conditions.
+
+Every request draws from its own `torch.Generator`, so what a request samples does not depend on which other
+requests share its batch (greedy needs no generator at all).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from openflash.errors import OpenflashError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self, max_tokens_limit: int | None = None) -> "SamplingParams":
+        """Raise OpenflashError naming the first invalid field."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and 0 <= self.temperature <= 100):
+            raise OpenflashError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise OpenflashError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise OpenflashError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise OpenflashError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
+            raise OpenflashError(f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class SamplerState:
+    """Per-request randomness."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None)
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> "SamplerState":
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        return cls(params, gen)
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] after temperature, top-k and top-p (fp32)."""
+    scaled = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cut = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """One token per row of logits [B, V]; row b follows states[b]."""
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    greedy = logits.argmax(dim=-1).cpu()
+    for b, state in enumerate(states):
+        if state.params.greedy:
+            out[b] = greedy[b]
+        else:
+            probs = filtered_probs(logits[b].cpu(), state.params)
+            out[b] = torch.multinomial(probs, 1, generator=state.generator)[0]
+    return out
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in text, or None."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
