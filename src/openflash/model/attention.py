@@ -182,7 +182,8 @@ class Attention(nn.Module, NumericsMixin):
         state = ctx.cache.compressed[self.topo.index] if ctx.cache is not None else None
         latent, entry_ids, complete = self.compressor(x, ctx.positions, state)
         entry_pos = entry_ids * ratio  # a latent stands for the first token of its group
-        index_k = self.indexer.index_keys(latent, entry_pos)
+        # Detached: the indexer learns only from its own KL term, never through the compressor (§5.6, §5.8).
+        index_k = self.indexer.index_keys(latent.detach(), entry_pos)
         cos, sin = self.rotary.angles(entry_pos)
         kv = self.numerics.compressed_kv(self.numerics.round(self.rotary.apply(latent, cos, sin)))
         if state is None:

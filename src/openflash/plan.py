@@ -1,0 +1,196 @@
+"""`openflash plan`: parameters, bytes by location and KV-cache bytes of a config, from the model built on meta.
+
+Counting conventions follow spec numbers.md: "logical parameters" count every stored value once (FP4 values
+individually) and exclude quantization scales. Active parameters per token: attention (with its compressor /
+indexer), router, shared expert, the top-k routed experts, mHC and norms of each layer run, the Engram projection and
+gains plus the looked-up table values at Engram layers, and the embedding (plus the head for a generated token).
+Under CED a prompt token runs only the encoder half; a generated token runs every layer.
+
+Parts openflash does not build (the vision tower and its image delimiter vectors, the DSpark draft stages) are
+counted from their config shapes (spec vision_and_dspark.md, checkpoint.md §3.7-3.8) and labelled as such.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from openflash import formats
+from openflash.config import FlashConfig, LayerMode, load_config
+from openflash.memory.tables import DeviceTable
+from openflash.model.layers import Linear
+from openflash.model.transformer import Transformer
+
+
+@dataclass
+class Plan:
+    config: str
+    params_total: int
+    params_backbone: int
+    params_engram_tables: int
+    params_dspark: int  # counted from shapes (not built)
+    params_vision: int  # counted from shapes (not built)
+    active_prefill_token: int
+    active_decode_token: int
+    bytes_by_location: dict[str, int]
+    kv_bytes_per_token: int
+    window_bytes_per_sequence: int
+    context: int
+    kv_bytes_at_context: int
+    layers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _logical(module: nn.Module) -> int:
+    """Logical parameter count of a module's own tensors (no children), scales excluded."""
+    if isinstance(module, Linear):
+        return module.in_features * module.out_features
+    if isinstance(module, DeviceTable):
+        return module.num_rows * module.dim
+    total = sum(p.numel() for p in module.parameters(recurse=False))
+    total += sum(b.numel() for name, b in _persistent_buffers(module) if name != "scale")
+    return total
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, b) for name, b in module.named_buffers(recurse=False)
+            if b is not None and name not in module._non_persistent_buffers_set]
+
+
+def _count(module: nn.Module, skip: tuple[type, ...] = ()) -> int:
+    return sum(_logical(m) for m in module.modules() if not isinstance(m, skip))
+
+
+def _stored_bytes(module: nn.Module) -> int:
+    """Bytes in the official checkpoint layout: FP8 dense linears and FP4 experts with their scales, F32 for the
+    mHC / sink / router-bias tensors, bf16 for everything else."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.quantized:
+            total += m.weight.numel() * m.weight.element_size() + m.scale.numel()
+        elif isinstance(m, DeviceTable) and m.storage == "fp8":
+            total += m.num_rows * (m.dim + m.dim // 32)
+        elif isinstance(m, DeviceTable):
+            total += m.num_rows * m.dim * 2
+        else:
+            for name, t in list(m.named_parameters(recurse=False)) + _persistent_buffers(m):
+                f32 = name.startswith("hc_") or name in ("attn_sink", "bias", "bias_vl")
+                total += t.numel() * (4 if f32 else 2)
+    return total
+
+
+def _dspark_params(cfg: FlashConfig) -> int:
+    """DSpark stages (mtp.*) from shapes: a WINDOW layer with its own MoE size, plus stage extras (spec §3.7)."""
+    n = cfg.num_nextn_predict_layers
+    if n == 0:
+        return 0
+    extra = cfg.extra_text
+    d, experts, inter = cfg.hidden_size, int(extra.get("dspark_n_routed_experts", 0)), cfg.moe_intermediate_size
+    with torch.device("meta"):
+        stage_cfg = cfg.replace(n_routed_experts=experts or cfg.n_routed_experts,
+                                num_experts_per_tok=min(int(extra.get("dspark_num_experts_per_tok", 1)),
+                                                        experts or cfg.n_routed_experts))
+        from openflash.config import LayerTopology
+        from openflash.model.transformer import Block
+        topo = LayerTopology(index=0, mode=LayerMode.WINDOW, compress_ratio=0, rope_theta=cfg.rope_theta,
+                             rope_yarn=False, kv_owner=None, index_k_owner=None, topk_owner=None,
+                             is_candidate_source=False, uses_candidates=False, engram_before=False,
+                             engram_slot=None, half="decoder")
+        stage = _count(Block(stage_cfg, topo))
+    targets = len(extra.get("dspark_target_layer_ids", []))
+    rank = int(extra.get("dspark_markov_rank", 0))
+    first = targets * d * d + d  # main_proj + main_norm
+    last = d + 2 * cfg.vocab_size * rank + (d + rank)  # norm, markov embed + head, confidence proj
+    return n * stage + first + last
+
+
+def _vision_params(cfg: FlashConfig) -> int:
+    """ViT + aligner from vision_config shapes (spec numbers.md §1.3)."""
+    v = cfg.extra_root.get("vision_config") or {}
+    layers = int(v.get("num_hidden_layers", 0))
+    if not layers:
+        return 0
+    dim, inter, patch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
+    block = (3 * dim * dim + 3 * dim) + (dim * dim + dim) + 2 * inter * dim + dim * inter + 2 * dim
+    patch_embed = patch * patch * 3 * dim + dim
+    merged = dim * int(v["downsample_ratio"]) ** 2
+    aligner = merged * cfg.hidden_size + cfg.hidden_size + cfg.hidden_size ** 2 + cfg.hidden_size
+    return layers * block + patch_embed + dim + aligner
+
+
+def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: str = "host") -> Plan:
+    cfg = load_config(name_or_path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    topo = cfg.topology
+    image_vectors = 3 * cfg.hidden_size if cfg.has_vision else 0  # image_start/end/newline (not built)
+    tables = sum(_count(m) for m in model.modules() if isinstance(m, DeviceTable))
+    backbone = _count(model) - tables + image_vectors
+    k, cols = cfg.num_experts_per_tok, cfg.n_hash_columns
+    layers = []
+    for t, block in zip(topo.layers, model.layers):
+        full = _count(block, skip=(DeviceTable,))
+        expert = _count(block.ffn.experts[0])
+        active = full - (cfg.n_routed_experts - k) * expert
+        if t.engram_before:
+            active += cols * cfg.engram_head_dim  # the looked-up table values
+        layers.append({"index": t.index, "mode": t.mode.value, "half": t.half, "params": full, "active": active})
+    embed = cfg.vocab_size * cfg.hidden_size
+    prefill = embed + sum(layer["active"] for layer in layers if layer["half"] == "encoder")
+    decode = 2 * embed + sum(layer["active"] for layer in layers)
+    dspark, vision = _dspark_params(cfg), _vision_params(cfg)
+
+    table_bytes = sum(m.num_rows * (m.dim + m.dim // 32) for m in model.modules() if isinstance(m, DeviceTable))
+    dense_bytes = _stored_bytes(model) - table_bytes + image_vectors * 2
+    where = {"device": "accelerator", "host": "host", "disk": "disk", "sharded": "host (sharded across ranks)"}
+    by_location = {"accelerator": dense_bytes}
+    by_location[where[engram_placement]] = by_location.get(where[engram_placement], 0) + table_bytes
+
+    main = sum(formats.cache_entry_bytes("main_kv", cfg.head_dim) / cfg.compress_ratios[s] for s in topo.kv_sources)
+    index = sum(formats.cache_entry_bytes("index_k", cfg.index_head_dim) / cfg.compress_ratios[s]
+                for s in topo.kv_sources)
+    kv_per_token = int(round(main + index))
+    window = len(cfg.compress_ratios) * cfg.sliding_window * formats.cache_entry_bytes("window", cfg.head_dim)
+    return Plan(
+        config=str(name_or_path), params_total=backbone + tables + dspark + vision, params_backbone=backbone,
+        params_engram_tables=tables, params_dspark=dspark, params_vision=vision, active_prefill_token=prefill,
+        active_decode_token=decode, bytes_by_location=by_location, kv_bytes_per_token=kv_per_token,
+        window_bytes_per_sequence=window, context=context, kv_bytes_at_context=kv_per_token * context + window,
+        layers=layers)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.2f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return str(n)
+
+
+def cli_plan(args: Any) -> int:
+    plan = build_plan(args.config, args.context, args.engram_placement)
+    if args.json:
+        print(json.dumps(asdict(plan), indent=1))
+        return 0
+    rows = [
+        ("parameters, total", plan.params_total),
+        ("  backbone (built)", plan.params_backbone),
+        ("  Engram tables (built)", plan.params_engram_tables),
+        ("  DSpark draft stages (from shapes, not built)", plan.params_dspark),
+        ("  vision tower + aligner (from shapes, not built)", plan.params_vision),
+        ("active per prompt token (encoder half, CED)", plan.active_prefill_token),
+        ("active per generated token (all layers)", plan.active_decode_token),
+    ]
+    print(f"openflash plan: {plan.config}")
+    for label, value in rows:
+        print(f"  {label:<52} {value:>20,}")
+    print("  bytes as stored (FP8 / FP4 / bf16), by location:")
+    for where, n in plan.bytes_by_location.items():
+        print(f"    {where:<50} {_fmt_bytes(n):>20}")
+    print(f"  global KV cache per token (FP4 main KV + MXFP4 index keys) {plan.kv_bytes_per_token:>13,} B")
+    print(f"  window state per sequence (FP8 rings)                     {_fmt_bytes(plan.window_bytes_per_sequence):>15}")
+    print(f"  KV at {plan.context:,} tokens: {_fmt_bytes(plan.kv_bytes_at_context)}")
+    return 0
