@@ -91,6 +91,7 @@ class MoE(nn.Module, NumericsMixin):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in counts.nonzero().flatten().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
-            y.index_add_(0, token, self.experts[e](x[token], weights[token, slot]).float())
+            # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
+            y[token] += self.experts[e](x[token], weights[token, slot]).float()
         y = y + self.shared_experts(x).float()
         return self.numerics.round(y).view(shape)
