@@ -143,7 +143,8 @@ class DeviceTable(nn.Module):
 
     storage="fp8": `weight` float8_e4m3fn [rows, dim] and `scale` float8_e8m0fnu [rows, dim/32], exactly as the
     checkpoint stores them (frozen parameters). storage="fp32": a trainable fp32 `weight` for training from scratch;
-    its gather is a plain differentiable embedding lookup without bf16 rounding.
+    its gather is a plain differentiable embedding lookup without bf16 rounding. When another tier takes over the
+    rows (EngramMemory.attach), `release` frees them here.
     """
 
     def __init__(self, num_rows: int, dim: int, storage: str = "fp8", device: torch.device | str | None = None,
@@ -154,6 +155,7 @@ class DeviceTable(nn.Module):
         if dim % SCALE_BLOCK != 0:
             raise ConfigError(f"engram_head_dim {dim} is not a multiple of {SCALE_BLOCK} (one scale per 32 values)")
         self.num_rows, self.dim, self.storage, self.init_std = int(num_rows), int(dim), storage, init_std
+        self.released: str | None = None  # the tier that took over the rows (see `release`)
         if storage == "fp8":
             self.weight = nn.Parameter(torch.zeros(num_rows, dim, dtype=torch.float8_e4m3fn, device=device),
                                        requires_grad=False)
@@ -176,6 +178,9 @@ class DeviceTable(nn.Module):
         return self.dim + self.dim // SCALE_BLOCK if self.storage == "fp8" else 4 * self.dim
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.released is not None:
+            raise EngramTableError(f"this Engram table's rows were moved to the {self.released!r} tier; look them "
+                                   f"up through the EngramMemory attached to the model (model.row_source)")
         if self.storage == "fp32":
             return F.embedding(ids, self.weight)
         flat = ids.reshape(-1).to(self.weight.device)
@@ -214,6 +219,22 @@ class DeviceTable(nn.Module):
         table.scale = nn.Parameter(s8.view(torch.float8_e8m0fnu), requires_grad=False)
         return table
 
+    @torch.no_grad()
+    def release(self, placement: str) -> None:
+        """Free the rows: another tier (host / disk / sharded) serves them from now on.
+
+        The weight (and scale) become empty [0, dim] tensors of the same dtype and device, so the memory is really
+        returned while `.to(device)` keeps working. A released table cannot be gathered from or saved: the
+        model's state_dict() (and so save_checkpoint) raises EngramTableError. Save before attaching a tier.
+        """
+        if self.released is not None:
+            return
+        self.released = placement
+        self.weight = nn.Parameter(self.weight.new_empty((0, self.dim)), requires_grad=False)
+        if self.scale is not None:
+            self.scale = nn.Parameter(self.scale.new_empty((0, self.dim // SCALE_BLOCK)), requires_grad=False)
+        self.register_state_dict_pre_hook(_refuse_released_state_dict)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "DeviceTable":
         # Module.to(dtype) / .float() / .bfloat16() cast every floating-point tensor, float8 included, which would
         # silently decode the stored FP8 rows into a 2-4x larger table. FP8 storage follows device moves only.
@@ -225,6 +246,12 @@ class DeviceTable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows={self.num_rows}, dim={self.dim}, storage={self.storage}"
+
+
+def _refuse_released_state_dict(module: DeviceTable, prefix: str, keep_vars: bool) -> None:
+    raise EngramTableError(f"{prefix}weight: this Engram table was released to the {module.released!r} tier "
+                           f"(EngramMemory.attach), so the model cannot be saved with its tables; save the "
+                           f"checkpoint before attaching a tier, or use the exported table files")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,463 @@
+"""Engram table placement in a running model: which tier holds the rows, and fetching them before they are needed.
+
+Hash ids depend on token ids only (engram.md §4, §5), so the rows an Engram layer will read are known as soon as
+the tokens are: before the forward for a prefill chunk, right after sampling for a decode step, one batch ahead in
+training. `EngramMemory` computes the hash ids at that moment, starts gathering every Engram layer's rows in the
+background, and plugs into the model as `model.row_source`; the Engram layer then waits only for what has not
+arrived yet, and that wait is measured per layer.
+
+    memory = EngramMemory.attach(model, "disk", table_dir="tables/", cache_bytes=1 << 30)
+    cache = model.new_cache(1)
+    logits = model.step(prompt, cache, hash_ids=memory.prepare(prompt, cache))
+    for _ in range(n):
+        memory.speculate(logits, cache, k=4)            # optional: rows of the 4 likeliest next tokens
+        token = sample(logits)
+        logits = model.step(token[:, None], cache, hash_ids=memory.prepare(token[:, None], cache))
+
+Tiers (`--engram-placement`):
+    device   the tables stay in the model (DeviceTable); a no-op wrapper, so callers use one API everywhere
+    host     FP8 rows in CPU RAM (pinned when CUDA is present), looked-up rows copied to the device
+    disk     memory-mapped table files from `openflash engram export`, an LRU row cache, a pool of reader threads
+    sharded  rows split across the ranks of a torch.distributed group (every rank must run the same steps)
+
+All tiers return bit-identical rows (tables.py), so model outputs are identical to `device`. Attaching host, disk or
+sharded releases the model's own copies of the tables (DeviceTable.release): their memory is freed and the model
+can no longer be saved with its tables (state_dict raises); save the checkpoint before attaching.
+
+Speculative prefetch: the first Engram layer sits one block after the embedding, so a decode step leaves it little
+slack. `speculate(logits, cache, k)` gathers, as soon as step t's logits exist, the rows of step t's top-k tokens
+(hashed and gathered on a worker, likeliest first); if the token then sampled is among them its rows are already
+here, only uncovered batch rows are fetched, and the unused candidates' queued gathers are cancelled. It only pays
+when the time between logits and the sampled token's prepare() (sampling, detokenising, scheduling) is a real part
+of the fetch latency: it costs k times the reads (benchmarks/engram_offload.py).
+
+Not thread-safe: prepare / speculate / the model's steps must come from one thread (the engine's loop).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openflash.errors import ConfigError, EngramTableError
+from openflash.memory.hashing import EngramHashState
+from openflash.memory.prefetch import EngramPrefetcher, Prefetch
+from openflash.memory.tables import (PLACEMENTS, DeviceTable, DiskTable, EngramTable, ShardedTable, open_tables,
+                                     read_engram_spec)
+
+MAX_PENDING = 8  # prefetches kept waiting for their step; older ones are dropped as stale
+
+
+@dataclass
+class SpeculationStats:
+    speculations: int = 0  # speculate() calls
+    candidates: int = 0  # candidate tokens whose rows were gathered (batch rows x k)
+    rows_checked: int = 0  # decode batch rows that followed a speculation
+    rows_covered: int = 0  # ... whose sampled token was among the candidates
+    rows_served: int = 0  # ... whose rows came from the speculation (no fetch after sampling)
+    unused: int = 0  # speculations discarded: a prefill followed, or the batch / hash state changed
+    cancelled: int = 0  # candidate gathers dropped before they started (their token was not sampled)
+
+    @property
+    def coverage(self) -> float:
+        return self.rows_covered / self.rows_checked if self.rows_checked else 0.0
+
+
+@dataclass
+class MemoryStats:
+    """Per Engram layer (keyed by layer id): seconds the layer waited for its rows, seconds between the
+    prefetch's submission and the layer asking (the slack the prefetch had), and lookups."""
+
+    steps: int = 0  # prepare() / prefetch_batch() calls
+    prefetches: int = 0  # background gathers submitted (speculations not included)
+    sync_gathers: int = 0  # lookups made synchronously because prefetch is off
+    fallbacks: int = 0  # lookups whose ids differed from every pending prefetch (gathered synchronously)
+    stale: int = 0  # prefetches dropped without being used
+    prepare_seconds: float = 0.0  # in prepare() / prefetch_batch(): hashing and submitting
+    speculate_seconds: float = 0.0  # in speculate(): top-k, hashing the candidates, submitting
+    wait_seconds: dict[int, float] = field(default_factory=dict)
+    slack_seconds: dict[int, float] = field(default_factory=dict)
+    lookups: dict[int, int] = field(default_factory=dict)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+    def add_wait(self, layer_id: int, waited: float, slack: float | None) -> None:
+        self.wait_seconds[layer_id] = self.wait_seconds.get(layer_id, 0.0) + waited
+        self.lookups[layer_id] = self.lookups.get(layer_id, 0) + 1
+        if slack is not None:
+            self.slack_seconds[layer_id] = self.slack_seconds.get(layer_id, 0.0) + slack
+
+
+@dataclass(eq=False)
+class _Speculation:
+    """Candidate next tokens of a decode batch, their rows gathered in the background, likeliest first."""
+
+    cache_id: int  # id() of the cache it was made for: other sequences' steps (a prefill) leave it alone
+    tokens: torch.Tensor  # [B, k] candidate token ids
+    history: torch.Tensor  # [B, H] the hash state the candidates follow (what decides whether it is valid)
+    prefetches: list[Prefetch] | None  # per candidate rank: rows (B, 1, C); None when not gathering
+
+
+@dataclass(eq=False)
+class _Pending:
+    """Rows of one prepared step, arriving in the background; consumed one Engram layer at a time."""
+
+    hash_ids: torch.Tensor  # [B, S, L, C]
+    submitted: float  # perf_counter at submission
+    prefetch: Prefetch | None  # all batch rows, or only those a speculation did not cover
+    speculation: _Speculation | None = None
+    covered: torch.Tensor | None = None  # bool [B]: row served from the speculation
+    choice: torch.Tensor | None = None  # [B]: rank of the candidate it matched
+    consumed: set[int] = field(default_factory=set)
+
+    def rows(self, slot: int) -> torch.Tensor:
+        if self.speculation is None:
+            return self.prefetch.rows(slot)
+        rows = None
+        for rank in torch.unique(self.choice[self.covered]).tolist():  # waits only for the ranks in use
+            got = self.speculation.prefetches[rank].rows(slot)  # [B, 1, C, dim]
+            if rows is None:
+                rows = torch.empty_like(got)
+            use = (self.covered & (self.choice == rank)).to(got.device)
+            rows[use] = got[use]
+        if self.prefetch is not None:
+            rows[~self.covered.to(rows.device)] = self.prefetch.rows(slot)
+        return rows
+
+
+def _same_ids(expected: torch.Tensor, ids: torch.Tensor) -> bool:
+    """True when the model asks for exactly the ids that were prefetched.
+
+    On CPU the contents are compared (cheap). On an accelerator a content comparison would synchronise the host
+    with the device, so the view the model indexes out of the returned hash ids is recognised by identity, and
+    anything else is compared on the host."""
+    if expected.shape != ids.shape:
+        return False
+    if expected.device.type != "cpu" and expected.device == ids.device and \
+            expected.data_ptr() == ids.data_ptr() and expected.stride() == ids.stride():
+        return True
+    if expected.device != ids.device:
+        return torch.equal(expected.cpu(), ids.cpu())
+    return torch.equal(expected, ids)
+
+
+class EngramMemory:
+    """The Engram tables of one model in one tier, with background prefetch. Build with `EngramMemory.attach`."""
+
+    def __init__(self, model: torch.nn.Module, placement: str, tables: dict[int, EngramTable],
+                 prefetch: bool = True) -> None:
+        self.model, self.placement, self.tables = model, placement, tables
+        self.layer_ids = list(model.cfg.engram_layer_ids)
+        self.prefetch = prefetch
+        self._prefetcher = EngramPrefetcher(tables) if tables else None
+        # Speculative gathers (k rows per batch row) get their own worker so a real prefetch never queues behind
+        # one; a ShardedTable's collectives must keep one order on every rank, so it shares the main worker.
+        sharded = any(isinstance(t, ShardedTable) for t in tables.values())
+        self._speculator = EngramPrefetcher(tables) if tables and not sharded else self._prefetcher
+        self._pending: deque[_Pending] = deque()
+        self._speculation: _Speculation | None = None
+        self._stats = MemoryStats()
+
+    # ---- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: torch.nn.Module, placement: str, *, table_dir: str | Path | None = None,
+               cache_bytes: int = 0, io_threads: int = 4, group: Any = None, prefetch: bool = True,
+               checkpoint_dir: str | Path | None = None) -> "EngramMemory":
+        """Move the model's Engram tables to `placement` and route its lookups through the returned memory.
+
+        host / sharded: built from the model's FP8 DeviceTables (quantize fp32 tables with DeviceTable.to_fp8
+        first), or read straight from `checkpoint_dir`'s safetensors (a sharded rank reads only its block), so
+        the model never needs to hold them. disk: opens `table_dir/engram_layer{L}.oftable` (from `openflash
+        engram export`); `cache_bytes` is the row cache of each table, `io_threads` its readers. Table files and
+        checkpoints are checked against the model's hash layout. sharded: `group` is the torch.distributed
+        process group (None: the default group). After attaching, the model's own table copies are released
+        (DeviceTable.release). prefetch=False gathers each layer's rows when the layer asks (for measuring what
+        prefetch buys).
+        """
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"unknown Engram placement {placement!r}; choose one of {list(PLACEMENTS)}")
+        if getattr(model, "row_source", None) is not None:
+            raise EngramTableError("this model already has an Engram memory attached (model.row_source is set); "
+                                   "close it before attaching another")
+        if table_dir is not None and placement != "disk":
+            raise ConfigError(f"a table folder ({table_dir}) only applies to Engram placement 'disk', not "
+                              f"{placement!r}")
+        if cache_bytes and placement != "disk":
+            raise ConfigError(f"an Engram row cache (cache_bytes={cache_bytes}) only applies to placement 'disk'")
+        if checkpoint_dir is not None and placement not in ("host", "sharded"):
+            raise ConfigError(f"reading Engram tables from a checkpoint ({checkpoint_dir}) applies to placements "
+                              f"'host' and 'sharded', not {placement!r}")
+        cfg = model.cfg
+        layer_ids = list(cfg.engram_layer_ids)
+        if placement == "device" or not layer_ids:
+            return cls(model, placement, {}, prefetch)
+
+        embeds: dict[int, DeviceTable] = {j: model.layers[lid].engram.embed for j, lid in enumerate(layer_ids)}
+        for j, lid in enumerate(layer_ids):
+            if embeds[j].released is not None:
+                raise EngramTableError(f"Engram layer {lid}: its table was already released to the "
+                                       f"{embeds[j].released!r} tier")
+            if placement in ("host", "sharded") and checkpoint_dir is None and embeds[j].storage != "fp8":
+                raise EngramTableError(f"Engram layer {lid}: placement {placement!r} holds FP8 rows but the model's "
+                                       f"table is {embeds[j].storage}; quantize it first (DeviceTable.to_fp8)")
+        common = dict(layer_ids=layer_ids, num_rows=list(cfg.engram_num_embeddings), dim=cfg.engram_head_dim,
+                      device=model.device)
+        fingerprint = model.engram_frontend.layout.layout_fingerprint()
+        if placement == "disk":
+            if table_dir is None:
+                raise ConfigError("Engram placement 'disk' needs the folder of table files written by "
+                                  "`openflash engram export`")
+            tables = open_tables("disk", table_dir=table_dir, layout_fingerprint=fingerprint,
+                                 cache_bytes=cache_bytes, io_threads=io_threads, **common)
+        elif checkpoint_dir is not None:
+            theirs = read_engram_spec(checkpoint_dir)
+            if theirs.num_rows != common["num_rows"] or theirs.dim != common["dim"] or \
+                    theirs.layout_fingerprint() != fingerprint:
+                raise EngramTableError(f"{checkpoint_dir}: its Engram tables (layers {theirs.layer_ids}, rows "
+                                       f"{theirs.num_rows}, dim {theirs.dim}) are not addressed like this model's "
+                                       f"(layers {layer_ids}, rows {common['num_rows']}, dim {common['dim']}, "
+                                       f"hash layout {fingerprint[:12]}...)")
+            tables = open_tables(placement, checkpoint_dir=checkpoint_dir, group=group, **common)
+        else:
+            tables = open_tables(placement, device_tables=embeds, group=group, **common)
+        for embed in embeds.values():
+            embed.release(placement)
+        memory = cls(model, placement, tables, prefetch)
+        model.row_source = memory._row_source
+        return memory
+
+    # ---- before a step -------------------------------------------------------------------------------------
+    def prepare(self, input_ids: torch.Tensor, cache: Any,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hash ids [B, S, L, C] of a prefill chunk or decode step [B, S] following `cache`; advances
+        `cache.engram` and starts gathering the rows. Pass the result to `model.step(..., hash_ids=...)`."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(1)
+        speculation = self._speculation
+        if speculation is not None and speculation.cache_id == id(cache):
+            self._speculation = None  # this step uses it or discards it
+        else:
+            speculation = None  # made for another cache (e.g. the decode batch while a new prompt prefills)
+        if not self.layer_ids:
+            return None
+        start = time.perf_counter()
+        if cache.batch_size != input_ids.shape[0]:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]} rows")
+        before = cache.engram
+        hash_ids, cache.engram = self.model.engram_frontend.hash(
+            input_ids, before, None if image_mask is None else ~image_mask)
+        self._stats.steps += 1
+        if speculation is not None:
+            self._use_speculation(speculation, input_ids, before, hash_ids, image_mask)
+        else:
+            self._submit(hash_ids)
+        self._stats.prepare_seconds += time.perf_counter() - start
+        return hash_ids
+
+    def prefetch_batch(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Training: hash ids of full sequences [B, S] from position 0, with their rows gathered in the
+        background. Call it for batch n+1 before running batch n; pass the result to
+        `model(input_ids, targets, hash_ids=...)`."""
+        if not self.layer_ids:
+            return None
+        start = time.perf_counter()
+        frontend = self.model.engram_frontend
+        state = frontend.hasher.empty_state(input_ids.shape[0], input_ids.device)
+        hash_ids, _ = frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
+        self._stats.steps += 1
+        self._submit(hash_ids)
+        self._stats.prepare_seconds += time.perf_counter() - start
+        return hash_ids
+
+    def speculate(self, logits: torch.Tensor, cache: Any, k: int) -> None:
+        """Start gathering the rows of the k likeliest next tokens of each row of `logits` [B, V] (step t's
+        output), without advancing the cache's hash state. The next `prepare` uses them for every row whose
+        sampled token is among the candidates, and measures that coverage."""
+        if k < 1:
+            raise ValueError(f"speculation needs k >= 1 candidates, got {k}")
+        if not self.layer_ids:
+            return
+        B = logits.shape[0]
+        if cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but logits has {B} rows")
+        start = time.perf_counter()
+        history = cache.engram.history.clone()
+        tokens = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.to(history.device)  # [B, k]
+        k = tokens.shape[1]
+        gather = self._speculator is not None and self.prefetch
+        spec = self._stats.speculation
+        if self._speculation is not None:  # superseded before any step used it
+            self._cancel(self._speculation, keep=())
+        prefetches = None
+        if gather:
+            frontend = self.model.engram_frontend
+
+            def candidate_hash_ids() -> torch.Tensor:  # runs on the speculation worker: [B, k, L, C]
+                ids, _ = frontend.hash(tokens.reshape(B * k, 1), EngramHashState(history.repeat_interleave(k, 0)))
+                return ids.view(B, k, *ids.shape[2:])
+
+            prefetches = self._speculator.submit_candidates(candidate_hash_ids, k)
+        self._speculation = _Speculation(id(cache), tokens, history, prefetches)
+        spec.speculations += 1
+        spec.candidates += B * k if gather else 0
+        self._stats.speculate_seconds += time.perf_counter() - start
+
+    def _use_speculation(self, spec: _Speculation, input_ids: torch.Tensor, before: EngramHashState,
+                         hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> None:
+        stats = self._stats.speculation
+        B, S = input_ids.shape
+        # Candidates are text tokens following this exact history; anything else hashes differently.
+        if S != 1 or spec.tokens.shape[0] != B or not torch.equal(spec.history, before.history) or \
+                (image_mask is not None and bool(image_mask.any())):
+            stats.unused += 1
+            self._cancel(spec, keep=())
+            self._submit(hash_ids)
+            return
+        match = spec.tokens == input_ids.to(spec.tokens.device)  # [B, k]
+        covered, choice = match.any(dim=1), match.int().argmax(dim=1)
+        stats.rows_checked += B
+        stats.rows_covered += int(covered.sum())
+        self._cancel(spec, keep=set(choice[covered].tolist()))
+        if spec.prefetches is None or not bool(covered.any()):
+            self._submit(hash_ids)
+            return
+        stats.rows_served += int(covered.sum())
+        rest = None
+        if not bool(covered.all()):
+            rest = self._prefetcher.submit(hash_ids[~covered.to(hash_ids.device)])
+            self._stats.prefetches += 1
+        self._push(_Pending(hash_ids, time.perf_counter(), rest, spec, covered, choice))
+
+    def _cancel(self, spec: _Speculation, keep: Any) -> None:
+        """Drop the queued gathers of candidates no step will use, so slow storage never builds a backlog of
+        stale speculation. Not on a sharded tier: what is cancelled depends on timing, and its ranks must issue
+        the same collectives."""
+        if spec.prefetches is None or self._speculator is self._prefetcher:
+            return
+        for rank, prefetch in enumerate(spec.prefetches):
+            if rank not in keep:
+                self._stats.speculation.cancelled += prefetch.cancel()
+
+    def _submit(self, hash_ids: torch.Tensor) -> None:
+        if self._prefetcher is None or not self.prefetch:
+            return
+        submitted = time.perf_counter()
+        prefetch = self._prefetcher.submit(hash_ids)
+        self._stats.prefetches += 1
+        self._push(_Pending(hash_ids, submitted, prefetch))
+
+    def _push(self, entry: _Pending) -> None:
+        self._pending.append(entry)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+            self._stats.stale += 1
+
+    # ---- during a step (model.row_source) ------------------------------------------------------------------
+    def _row_source(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [B, S, C, dim] of Engram layer slot `slot`: the prefetched ones if the ids match."""
+        start = time.perf_counter()
+        entry = self._take(slot, ids)
+        if entry is None:
+            if self.prefetch:
+                self._stats.fallbacks += 1
+            else:
+                self._stats.sync_gathers += 1
+            rows = self._gather_now(slot, ids)
+        else:
+            try:
+                rows = entry.rows(slot)
+            except BaseException:
+                if entry in self._pending:  # a failed gather fails this step; later steps start clean
+                    self._pending.remove(entry)
+                raise
+        self._stats.add_wait(self.layer_ids[slot], time.perf_counter() - start,
+                             None if entry is None else start - entry.submitted)
+        return rows
+
+    def _take(self, slot: int, ids: torch.Tensor) -> _Pending | None:
+        for n, entry in enumerate(self._pending):
+            if slot in entry.consumed or not _same_ids(entry.hash_ids[:, :, slot], ids):
+                continue
+            for _ in range(n):  # earlier prefetches whose step never came
+                self._pending.popleft()
+                self._stats.stale += 1
+            entry.consumed.add(slot)
+            if len(entry.consumed) == len(self.layer_ids):
+                self._pending.popleft()
+            return entry
+        return None
+
+    def _gather_now(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.tables[slot], ShardedTable):
+            return self._prefetcher.gather(slot, ids)  # collectives stay in the worker's order
+        try:
+            return self.tables[slot].gather(ids)
+        except EngramTableError:
+            raise
+        except Exception as exc:
+            raise EngramTableError(f"Engram lookup of layer {self.layer_ids[slot]} failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+
+    # ---- reporting and shutdown ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Waits and slack per Engram layer (seconds, keyed by layer id), fallbacks, speculative coverage, and
+        each table's lookup counters (row-cache hit rates for disk)."""
+        s = self._stats
+        tables = {self.layer_ids[j]: t.stats.as_dict() for j, t in self.tables.items() if hasattr(t, "stats")}
+        hits = sum(t["hits"] for t in tables.values())
+        looked_up = hits + sum(t["misses"] for t in tables.values())
+        fetch = self._prefetcher.stats.fetch_seconds if self._prefetcher is not None else {}
+        return {
+            "placement": self.placement,
+            "prefetch": self.prefetch,
+            "steps": s.steps,
+            "prefetches": s.prefetches,
+            "sync_gathers": s.sync_gathers,
+            "fallbacks": s.fallbacks,
+            "stale": s.stale,
+            "prepare_seconds": s.prepare_seconds,
+            "speculate_seconds": s.speculate_seconds,
+            "wait_seconds": dict(s.wait_seconds),
+            "slack_seconds": dict(s.slack_seconds),
+            "lookups": dict(s.lookups),
+            "fetch_seconds": {self.layer_ids[j]: v for j, v in sorted(fetch.items())},
+            "speculation": {**s.speculation.__dict__, "coverage": s.speculation.coverage},
+            "tables": tables,
+            "hit_rate": hits / looked_up if looked_up else None,
+        }
+
+    def reset_stats(self) -> None:
+        """Zero every counter (this memory's, the prefetcher's and the tables')."""
+        self._stats = MemoryStats()
+        for prefetcher in (self._prefetcher, self._speculator):
+            if prefetcher is not None:
+                prefetcher.stats = type(prefetcher.stats)()
+        for table in self.tables.values():
+            if hasattr(table, "stats"):
+                table.stats = type(table.stats)()
+
+    def close(self) -> None:
+        """Stop the background work and close table files. The model keeps its released tables, so it cannot
+        run Engram lookups afterwards (it raises EngramTableError naming the tier)."""
+        for prefetcher in {id(p): p for p in (self._prefetcher, self._speculator) if p is not None}.values():
+            prefetcher.close()
+        for table in self.tables.values():
+            if isinstance(table, DiskTable):
+                table.close()
+        self._pending.clear()
+        self._speculation = None
+        if getattr(self.model, "row_source", None) == self._row_source:
+            self.model.row_source = None
+
+    def __enter__(self) -> "EngramMemory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["EngramMemory", "MemoryStats", "SpeculationStats", "MAX_PENDING"]

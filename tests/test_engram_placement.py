@@ -1,0 +1,349 @@
+"""Engram tiers in the running model: every placement gives bit-identical logits to `device` (engram.md §5)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from openflash.checkpoint import save_checkpoint
+from openflash.config import load_config
+from openflash.errors import ConfigError, EngramTableError
+from openflash.memory.placement import EngramMemory
+from openflash.memory.tables import DiskTable, export_engram_tables, table_file_name, write_table_file
+from openflash.model.transformer import Transformer
+
+GOLDEN_A = Path(__file__).parent / "goldens" / "A"  # a checkpoint of another tiny config (Engram layers 0, 3)
+BATCH = 2
+STEPS = 4  # decode steps after the prefill
+
+
+def make_model() -> Transformer:
+    """The tiny preset with random weights and random FP8 Engram tables (same weights in every process)."""
+    cfg = load_config("tiny")
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    for lid in cfg.engram_layer_ids:
+        model.layers[lid].engram.embed = model.layers[lid].engram.embed.to_fp8()
+    return model
+
+
+def prompt(vocab_size: int) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (BATCH, 7), generator=torch.Generator().manual_seed(1))
+
+
+def next_tokens(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """Decode schedule: per step, each row takes its likeliest token (inside any top-k speculation) or its least
+    likely one (outside), so speculation sees both rows covered, one of two, none, then both again."""
+    top, low = logits.argmax(-1), logits.argmin(-1)
+    pattern = [(top, top), (top, low), (low, low), (top, top)][step % 4]
+    return torch.stack([pattern[0][0], pattern[1][1]])[:, None]
+
+
+def run(model: Transformer, memory: EngramMemory, k: int = 0) -> torch.Tensor:
+    """Logits [STEPS + 1, B, V] of a prefill and STEPS decode steps through `memory`."""
+    cache = model.new_cache(BATCH)
+    ids, out = prompt(model.cfg.vocab_size), []
+    for step in range(STEPS + 1):
+        logits = model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
+        out.append(logits)
+        if k:
+            memory.speculate(logits, cache, k)
+        ids = next_tokens(logits, step)
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and an oversubscribed machine makes them crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def base() -> Transformer:
+    model = make_model()
+    model.engram_frontend  # build the token map once; deep copies share nothing mutable with it
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(base) -> torch.Tensor:
+    model = copy.deepcopy(base)
+    memory = EngramMemory.attach(model, "device")
+    assert model.row_source is None  # device: a no-op wrapper
+    return run(model, memory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(base, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("engram") / "ckpt"
+    save_checkpoint(base, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def table_dir(checkpoint_dir) -> Path:
+    """`openflash engram export` of a checkpoint of the base model."""
+    export_engram_tables(checkpoint_dir, checkpoint_dir.parent / "tables")
+    return checkpoint_dir.parent / "tables"
+
+
+def test_the_tables_matter(base, reference):
+    """Guard: the comparisons below can fail, because the logits depend on the table rows."""
+    model = copy.deepcopy(base)
+    embed = model.layers[model.cfg.engram_layer_ids[0]].engram.embed
+    embed.weight.data = embed.weight.data.view(torch.uint8).roll(1, dims=0).view(torch.float8_e4m3fn)
+    assert not torch.equal(run(model, EngramMemory.attach(model, "device")), reference)
+
+
+TIERS = {
+    "host": dict(placement="host"),
+    "host-speculate": dict(placement="host", k=3),
+    "host-no-prefetch": dict(placement="host", prefetch=False, k=2),
+    "host-from-checkpoint": dict(placement="host", checkpoint=True),
+    "disk": dict(placement="disk"),
+    "disk-cache-speculate": dict(placement="disk", cache_bytes=40 * 33, k=2),
+    "disk-no-prefetch": dict(placement="disk", prefetch=False),
+}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_tier_matches_device(base, reference, table_dir, checkpoint_dir, tier):
+    opts = dict(TIERS[tier])
+    placement, k = opts.pop("placement"), opts.pop("k", 0)
+    if opts.pop("checkpoint", False):
+        opts["checkpoint_dir"] = checkpoint_dir
+    model = copy.deepcopy(base)
+    memory = EngramMemory.attach(model, placement, table_dir=table_dir if placement == "disk" else None, **opts)
+    with memory:
+        assert torch.equal(run(model, memory, k), reference)
+        stats = memory.stats()
+    layers = model.cfg.engram_layer_ids
+    assert stats["placement"] == placement and stats["fallbacks"] == 0 and stats["stale"] == 0
+    assert sorted(stats["wait_seconds"]) == layers and stats["lookups"] == {lid: STEPS + 1 for lid in layers}
+    spec = stats["speculation"]
+    if opts.get("prefetch", True):
+        assert stats["sync_gathers"] == 0 and sorted(stats["slack_seconds"]) == layers
+        # Speculation serves covered rows: the step after a full cover submits no prefetch at all.
+        fully_covered = 2 if k else 0
+        assert stats["prefetches"] == STEPS + 1 - fully_covered
+    else:
+        assert stats["sync_gathers"] == len(layers) * (STEPS + 1) and stats["prefetches"] == 0
+    if k:
+        # Rows covered per decode step: 2, 1, 0, 2 (see next_tokens).
+        assert (spec["speculations"], spec["rows_checked"], spec["rows_covered"]) == (STEPS + 1, 2 * STEPS, 5)
+        assert spec["rows_served"] == (5 if opts.get("prefetch", True) else 0)
+        assert spec["coverage"] == 5 / 8
+    if "cache_bytes" in opts:
+        assert 0 < stats["hit_rate"] < 1 and set(stats["tables"]) == set(layers)
+
+
+def test_speculation_survives_an_interleaved_prefill(base, reference):
+    """An engine prefills new prompts between decode steps: a speculation made for the decode batch waits for it."""
+    model = copy.deepcopy(base)
+    with EngramMemory.attach(model, "host") as memory:
+        ids, batch = prompt(model.cfg.vocab_size), model.new_cache(BATCH)
+        logits = model.step(ids, batch, hash_ids=memory.prepare(ids, batch))
+        memory.speculate(logits, batch, 2)
+        other = model.new_cache(1)  # another request's prompt
+        model.step(ids[:1], other, hash_ids=memory.prepare(ids[:1], other))
+        tokens = next_tokens(logits, 0)  # both rows take their likeliest token: covered
+        assert torch.equal(model.step(tokens, batch, hash_ids=memory.prepare(tokens, batch)), reference[1])
+        spec = memory.stats()["speculation"]
+    assert (spec["rows_served"], spec["unused"]) == (2, 0)
+
+
+def test_chunked_prefill_carries_the_hash_state(base, table_dir):
+    """A prompt prefilled in chunks (bounded mode) hashes across the chunk boundary exactly like device."""
+    ids = prompt(base.cfg.vocab_size)
+
+    def chunked(placement: str) -> torch.Tensor:
+        model = copy.deepcopy(base)
+        memory = EngramMemory.attach(model, placement, table_dir=table_dir if placement == "disk" else None)
+        cache = model.new_cache(BATCH)
+        for chunk, last in ((ids[:, :4], False), (ids[:, 4:], True)):
+            logits = model.step(chunk, cache, mode="bounded", last_chunk=last, hash_ids=memory.prepare(chunk, cache))
+        token = logits.argmax(-1)[:, None]
+        out = torch.stack([logits, model.step(token, cache, hash_ids=memory.prepare(token, cache))])
+        assert memory.stats()["fallbacks"] == 0
+        memory.close()
+        return out
+
+    assert torch.equal(chunked("disk"), chunked("device"))
+
+
+def test_training_prefetches_the_next_batch(base):
+    batches = [torch.randint(3, base.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(s))
+               for s in range(3)]
+    reference = copy.deepcopy(base)
+    want = [reference(x).logits for x in batches]
+    model = copy.deepcopy(base)
+    with EngramMemory.attach(model, "host") as memory:
+        upcoming = memory.prefetch_batch(batches[0])
+        for n, x in enumerate(batches):
+            hash_ids = upcoming
+            if n + 1 < len(batches):
+                upcoming = memory.prefetch_batch(batches[n + 1])  # gathers while batch n computes
+            assert torch.equal(model(x, hash_ids=hash_ids).logits, want[n])
+        stats = memory.stats()
+    assert stats["prefetches"] == 3 and stats["fallbacks"] == 0 and stats["stale"] == 0
+
+
+def test_unprepared_ids_fall_back_and_are_counted(base, reference):
+    model = copy.deepcopy(base)
+    with EngramMemory.attach(model, "host") as memory:
+        ids = prompt(model.cfg.vocab_size)
+        memory.prepare(ids[:, :3], model.new_cache(BATCH))  # prefetched, then never used
+        memory.prepare(ids.flip(1), model.new_cache(BATCH))
+        # Without hash_ids the model hashes the chunk itself; nothing prepared matches, so each Engram layer
+        # gathers synchronously.
+        assert torch.equal(model.step(ids, model.new_cache(BATCH)), reference[0])
+        assert memory.stats()["fallbacks"] == 2
+        cache = model.new_cache(BATCH)
+        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
+        stats = memory.stats()
+    assert stats["fallbacks"] == 2 and stats["stale"] == 2  # the two unused prefetches are dropped
+
+
+def test_attach_releases_the_device_tables(base, tmp_path):
+    model = copy.deepcopy(base)
+    embed = model.layers[model.cfg.engram_layer_ids[0]].engram.embed
+    memory = EngramMemory.attach(model, "host")
+    assert embed.weight.shape == (0, embed.dim) and embed.scale.shape == (0, embed.dim // 32)
+    assert embed.released == "host" and embed.num_rows == model.cfg.engram_num_embeddings[0]
+    with pytest.raises(EngramTableError, match=r"layers\.1\.engram\.embed\.weight: .*released to the 'host' tier"):
+        model.state_dict()
+    with pytest.raises(EngramTableError, match="cannot be saved with its tables"):
+        save_checkpoint(model, tmp_path / "ckpt")
+    with pytest.raises(EngramTableError, match="already has an Engram memory attached"):
+        EngramMemory.attach(model, "host")
+    memory.close()
+    assert model.row_source is None
+    with pytest.raises(EngramTableError, match="moved to the 'host' tier"):
+        model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH))
+    with pytest.raises(EngramTableError, match="layer 1: its table was already released"):
+        EngramMemory.attach(model, "disk", table_dir="/nonexistent")
+
+
+def test_bad_attach_arguments(base, table_dir, tmp_path):
+    with pytest.raises(EngramTableError, match=re.escape(f"{GOLDEN_A}: its Engram tables (layers [0, 3], rows "
+                                                         f"[304, 462], dim 32) are not addressed like this model's "
+                                                         f"(layers [1, 2]")):
+        EngramMemory.attach(copy.deepcopy(base), "host", checkpoint_dir=GOLDEN_A)
+    with pytest.raises(ConfigError, match="applies to placements 'host' and 'sharded', not 'disk'"):
+        EngramMemory.attach(copy.deepcopy(base), "disk", table_dir=table_dir, checkpoint_dir=GOLDEN_A)
+    with pytest.raises(ConfigError, match="unknown Engram placement 'ssd'"):
+        EngramMemory.attach(copy.deepcopy(base), "ssd")
+    with pytest.raises(ConfigError, match="only applies to Engram placement 'disk', not 'host'"):
+        EngramMemory.attach(copy.deepcopy(base), "host", table_dir=table_dir)
+    with pytest.raises(ConfigError, match="placement 'disk' needs the folder"):
+        EngramMemory.attach(copy.deepcopy(base), "disk")
+    fp32 = Transformer(base.cfg)  # trainable fp32 tables
+    with pytest.raises(EngramTableError, match="layer 1: placement 'host' holds FP8 rows but the model's table is "
+                                               "fp32; quantize it first"):
+        EngramMemory.attach(fp32, "host")
+    assert fp32.layers[1].engram.embed.released is None  # nothing was released by the failed attach
+
+
+def _table_copy(table_dir: Path, dest: Path, layer_id: int, rows: int | None = None,
+                fingerprint: str | None = None) -> Path:
+    """A copy of the exported tables with one layer's file rewritten (other rows or another fingerprint)."""
+    dest.mkdir()
+    for path in table_dir.iterdir():
+        (dest / path.name).write_bytes(path.read_bytes())
+    with DiskTable.open(table_dir / table_file_name(layer_id), None, None, None) as good:
+        data = good._data[: rows or good.num_rows]
+        write_table_file(dest / table_file_name(layer_id), data[:, :good.dim].copy(), data[:, good.dim:].copy(),
+                         fingerprint or good.header.layout_fingerprint)
+    return dest
+
+
+def test_wrong_table_files_fail_clearly(base, table_dir, tmp_path):
+    lid, rows = base.cfg.engram_layer_ids[1], base.cfg.engram_num_embeddings[1]
+    cases = {
+        "missing": (tmp_path / "nowhere", f"table file not found: {tmp_path / 'nowhere' / table_file_name(1)}"),
+        "rows": (_table_copy(table_dir, tmp_path / "rows", lid, rows=rows - 1),
+                 f"{table_file_name(lid)}: table has {rows - 1} rows, the model expects {rows}"),
+        "fingerprint": (_table_copy(table_dir, tmp_path / "fp", lid, fingerprint="another-config"),
+                        f"{table_file_name(lid)}: Engram hash layout fingerprint mismatch"),
+    }
+    for name, (folder, message) in cases.items():
+        model = copy.deepcopy(base)
+        with pytest.raises(EngramTableError, match=re.escape(message)):
+            EngramMemory.attach(model, "disk", table_dir=folder)
+        assert model.row_source is None and model.layers[lid].engram.embed.released is None, name
+
+
+class _FailingRows:
+    """Stands in for a table's memory-mapped rows: every read fails like a bad disk sector."""
+
+    def take(self, *args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+
+def test_read_error_fails_that_step(base, reference, table_dir):
+    model = copy.deepcopy(base)
+    with EngramMemory.attach(model, "disk", table_dir=table_dir) as memory:
+        cache, ids = model.new_cache(BATCH), prompt(model.cfg.vocab_size)
+        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
+        disk = memory.tables[1]
+        good, disk._data = disk._data, _FailingRows()
+        ids = next_tokens(reference[0], 0)
+        message = re.escape(f"{disk.path}: read error in rows ") + ".*Input/output error"
+        with pytest.raises(EngramTableError, match=message):
+            model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
+        disk._data = good  # the memory is usable again: a new sequence gives the right logits
+        assert torch.equal(run(model, memory), reference)
+        assert memory.stats()["stale"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sharded: two gloo processes, each holding half of every table's rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sharded_worker(rank: int, port: int, out_dir: str, base: Transformer, want: torch.Tensor,
+                    checkpoint_dir: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, results = copy.deepcopy(base), {}
+        with EngramMemory.attach(model, "sharded") as memory:
+            local = memory.tables[0].weight.shape[0]
+            results["half the rows"] = local == -(-model.cfg.engram_num_embeddings[0] // 2)
+            results["logits"] = torch.equal(run(model, memory), want)
+            results["speculated logits"] = torch.equal(run(model, memory, k=2), want)
+            # A lookup the prefetch did not prepare still works (through the worker, in the same order on
+            # both ranks).
+            results["fallback"] = torch.equal(model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH)),
+                                              want[0])
+            results["counted"] = memory.stats()["fallbacks"] == 2
+        model = copy.deepcopy(base)
+        with EngramMemory.attach(model, "sharded", checkpoint_dir=checkpoint_dir) as memory:  # reads its block only
+            results["from checkpoint"] = torch.equal(run(model, memory), want)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_tier_matches_device(base, reference, checkpoint_dir, tmp_path):
+    # The model (with its token map) and the device logits travel to the workers, which only shard and compare.
+    mp.spawn(_sharded_worker, args=(_free_port(), str(tmp_path), base, reference, checkpoint_dir), nprocs=2,
+             join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert results and all(results.values()), (rank, results)
