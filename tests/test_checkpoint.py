@@ -118,3 +118,16 @@ def test_fp8_save_uses_official_layout_and_loads(tmp_path):
     first, second = load_file(str(tmp_path / "q" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k].view(torch.uint8), second[k].view(torch.uint8)) for k in first)
+
+
+def test_engram_tables_can_be_left_to_an_external_tier():
+    from openflash.memory.placement import EngramMemory
+
+    model, report = load_checkpoint(GOLDEN_A, skip_engram_tables=True)
+    assert model.layers[0].engram.embed.weight.is_meta
+    assert "engram tables (left for an external tier)" in report.summary()
+    memory = EngramMemory.attach(model, "host", checkpoint_dir=GOLDEN_A)
+    full, _ = load_checkpoint(GOLDEN_A)
+    ids = torch.tensor(json.loads((GOLDEN_A / "inputs.json").read_text())["input_ids"])
+    a, b = model.new_cache(1), full.new_cache(1)
+    assert torch.equal(model.step(ids, a, hash_ids=memory.prepare(ids, a)), full.step(ids, b))

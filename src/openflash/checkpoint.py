@@ -57,7 +57,7 @@ class LoadReport:
     def summary(self) -> str:
         text = f"{self.path}: loaded {self.tensors} tensors"
         if self.skipped:
-            text += "; skipped (not implemented: " + ", ".join(f"{k} {v}" for k, v in self.skipped.items()) + ")"
+            text += "; skipped " + ", ".join(f"{v} {k}" for k, v in self.skipped.items())
         return text
 
 
@@ -116,8 +116,13 @@ def _expected_dtype(tensor: torch.Tensor) -> str:
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
-                    tokenizer_path: str | Path | None = None) -> tuple[Transformer, LoadReport]:
-    """Build the model of a checkpoint folder and load its weights; returns (model in eval mode, report)."""
+                    tokenizer_path: str | Path | None = None,
+                    skip_engram_tables: bool = False) -> tuple[Transformer, LoadReport]:
+    """Build the model of a checkpoint folder and load its weights; returns (model in eval mode, report).
+
+    skip_engram_tables: leave the Engram tables (`layers.N.engram.embed.*`, 189 GiB released) unread, on the meta
+    device, for a host / disk / sharded tier to serve (memory/placement.py); their names and shapes are still checked.
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
@@ -133,7 +138,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     for name in sorted(present):
         prefix = next((p for p in UNIMPLEMENTED_PREFIXES if name.startswith(p)), None)
         if prefix is not None:
-            report.skipped[prefix.rstrip(".")] = report.skipped.get(prefix.rstrip("."), 0) + 1
+            key = f"{prefix.rstrip('.')} (not implemented)"
+            report.skipped[key] = report.skipped.get(key, 0) + 1
             continue
         if name not in expected and not (name.endswith("wo_a.scale") and name[:-5] + "weight" in expected):
             problems.append(f"unexpected tensor {name}")
@@ -157,6 +163,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
             continue
         if problems:
             continue  # keep validating, but stop reading tensors once the checkpoint is known to be bad
+        if skip_engram_tables and ".engram.embed." in name:
+            report.skipped["engram tables (left for an external tier)"] = \
+                report.skipped.get("engram tables (left for an external tier)", 0) + 1
+            continue
         tensor = files.get(name)
         if wo_a_fp8:
             scale_name = name[:-len("weight")] + "scale"
@@ -174,7 +184,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
         raise CheckpointError(f"{folder}: checkpoint does not match the config ({len(problems)} problems):\n  "
                               f"{shown}{more}")
-    model.load_state_dict(state, assign=True, strict=True)
+    model.load_state_dict(state, assign=True, strict=not skip_engram_tables)
     _materialize_runtime_buffers(model, device)
     report.tensors = len(state)
     tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"

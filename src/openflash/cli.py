@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the Engram tables live")
     serve.add_argument("--prefill-mode", default="bounded", choices=["bounded", "exact"],
                        help="CED prefill: bounded replay of the decoder half (default) or exact")
+    serve.add_argument("--engram-table-dir", default=None,
+                       help="folder of table files from `openflash engram export` (disk placement)")
+    serve.add_argument("--engram-cache-bytes", type=int, default=0, help="row cache of the disk tier, in bytes")
+    serve.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
+    serve.add_argument("--engram-speculate", type=int, default=0,
+                       help="speculatively prefetch the rows of the top-K next tokens (0 = off)")
 
     plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")
