@@ -1,0 +1,318 @@
+"""Serving benchmark: throughput and latency of the engine and the HTTP server, prefix caching, prefill modes.
+
+    python benchmarks/serve.py [--presets tiny small] [--levels 1 4 16 64] [--threads 1] [--skip-http]
+
+Presets run with random weights (throughput does not depend on the weights) and the default fp32 numerics;
+prompts are random token ids below 1000 (valid for both presets), completions have a fixed length (ignore_eos).
+
+1. Concurrency (engine, closed loop): C client threads each submit a request to the running engine (its background
+   thread, as in the server), wait for it to finish, submit the next, until the request budget is spent. Reported:
+   generated tokens/s over the wall time, time to first token (arrival -> first token) and inter-token latency
+   (between consecutive tokens of a request) p50 / p99, from the engine's per-token timestamps.
+2. Shared prefix: a long common system prompt plus a short distinct question, one request at a time, with and
+   without the prefix cache ("snapshot" restore). The first request fills the cache; TTFT is the median over the
+   rest. Outputs are checked equal.
+3. Prefill mode: TTFT of a long prompt with bounded replay (CED, the decoder half only on the last sliding_window
+   tokens) vs exact (every layer on every token), no prefix cache.
+4. HTTP (tiny): `openflash serve` in a subprocess, C asyncio clients streaming /v1/completions; TTFT is the first
+   SSE chunk, inter-token latency per request is (last chunk - first chunk) / (completion tokens - 1).
+
+Writes benchmarks/results/serve.json and prints tables. Figures from a shared machine are noisy: the load average
+at the start is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.generate import load_for_inference
+from openflash.engine.sampling import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "serve.json"
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- engine-level ------------------------------------------------------------------------------------------------
+
+
+def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int, max_tokens: int,
+                seed: int = 0) -> dict:
+    """C clients, `requests` requests in total, each client one request at a time."""
+    counter = iter(range(requests))
+    lock = threading.Lock()
+    done: list = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            finished = threading.Event()
+            seq = engine.add_request(random_prompt(prompt_len, seed + i), SamplingParams(max_tokens=max_tokens),
+                                     on_output=lambda o: o.finished and finished.set(), ignore_eos=True)
+            finished.wait()
+            with lock:
+                done.append(seq)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttft = [s.first_token_time - s.arrival_time for s in done]
+    itl = [b - a for s in done for a, b in zip(s.token_times, s.token_times[1:])]
+    tokens = sum(len(s.output_ids) for s in done)
+    return {"clients": clients, "requests": len(done), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+            "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
+
+
+def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096, prefill_chunk=128,
+                                                max_step_tokens=512, prefix_cache=False))
+    engine.start()
+    try:
+        closed_loop(engine, 2, 2, prompt_len, 4, seed=10_000)  # warm-up
+        rows = []
+        for c in levels:
+            requests = max(4, c) if c < 64 else c  # bounded: every client sends 1-4 requests
+            rows.append(closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c))
+            print(f"  {c:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tok/s", flush=True)
+        return rows
+    finally:
+        engine.shutdown(0)
+
+
+def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int):
+    finished = threading.Event()
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens),
+                             on_output=lambda o: o.finished and finished.set(), ignore_eos=True)
+    finished.wait()
+    return seq
+
+
+def bench_shared_prefix(model, tok, system_len: int, question_len: int, requests: int, chunk: int) -> dict:
+    system = random_prompt(system_len, 7)
+    prompts = [system + random_prompt(question_len, 100 + i) for i in range(requests)]
+    out = {"system_tokens": system_len, "question_tokens": question_len, "requests": requests, "prefill_chunk": chunk}
+    outputs = {}
+    variants = {"without_prefix_cache": dict(prefix_cache=False),
+                "with_prefix_cache": dict(prefix_cache=True, prefix_restore="snapshot"),
+                "with_prefix_cache_replay": dict(prefix_cache=True, prefix_restore="replay")}
+    for key, options in variants.items():
+        engine = LLMEngine(model, tok, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
+                                                    **options))
+        engine.start()
+        try:
+            seqs = [run_alone(engine, p, 8) for p in prompts]
+        finally:
+            engine.shutdown(0)
+        ttft = [s.first_token_time - s.arrival_time for s in seqs]
+        out[key] = {"first_ttft_s": ttft[0], "ttft_p50_s": statistics.median(ttft[1:]),
+                    "cached_tokens": [s.num_cached for s in seqs]}
+        outputs[key] = [s.output_ids for s in seqs]
+        if engine.prefix_cache is not None:
+            out[key]["hit_rate"] = engine.prefix_cache.stats.hit_rate
+            out[key]["cache_bytes"] = engine.prefix_cache.nbytes
+    base = outputs["without_prefix_cache"]
+    out["ttft_speedup"] = out["without_prefix_cache"]["ttft_p50_s"] / out["with_prefix_cache"]["ttft_p50_s"]
+    out["ttft_speedup_replay"] = out["without_prefix_cache"]["ttft_p50_s"] / \
+        out["with_prefix_cache_replay"]["ttft_p50_s"]
+    out["outputs_equal"] = outputs["with_prefix_cache"] == base
+    # Replay restore approximates the windows: the fraction of greedy tokens equal to the uncached run.
+    pairs = [(a, b) for x, y in zip(outputs["with_prefix_cache_replay"], base) for a, b in zip(x, y)]
+    out["replay_token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    return out
+
+
+def bench_prefill_modes(model, tok, prompt_len: int, repeats: int, chunk: int) -> dict:
+    out = {"prompt_tokens": prompt_len, "sliding_window": model.cfg.sliding_window}
+    firsts = {}
+    for mode in ("bounded", "exact"):
+        engine = LLMEngine(model, tok, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
+                                                    prefill_mode=mode, prefix_cache=False))
+        engine.start()
+        try:
+            seqs = [run_alone(engine, random_prompt(prompt_len, 500 + i), 2) for i in range(repeats)]
+        finally:
+            engine.shutdown(0)
+        out[f"{mode}_ttft_s"] = statistics.median(s.first_token_time - s.arrival_time for s in seqs)
+        firsts[mode] = [s.output_ids[0] for s in seqs]
+    out["speedup"] = out["exact_ttft_s"] / out["bounded_ttft_s"]
+    out["first_tokens_agree"] = sum(a == b for a, b in zip(firsts["bounded"], firsts["exact"])) / repeats
+    return out
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_clients(url: str, clients: int, requests: int, prompt_len: int, max_tokens: int) -> dict:
+    import httpx
+
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    ttft, itl, tokens = [], [], 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {"model": "tiny", "prompt": random_prompt(prompt_len, 2000 + i), "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            start, first, last, n = time.perf_counter(), None, None, 0
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+                    elif chunk["choices"]:
+                        last = time.perf_counter()
+                        first = first or last
+            ttft.append(first - start)
+            if n > 1:
+                itl.append((last - first) / (n - 1))
+            tokens += n
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    wall = time.perf_counter() - start
+    return {"clients": clients, "requests": requests, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+            "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
+
+
+def bench_http(levels: list[int], prompt_len: int, max_tokens: int, threads: int) -> list[dict]:
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "openflash.cli", "serve", "--model", "tiny", "--port", str(port),
+           "--max-batch", str(max(levels))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("openflash serve did not start")
+            time.sleep(0.2)
+        asyncio.run(http_clients(url, 2, 2, prompt_len, 4))  # warm-up
+        rows = []
+        for c in levels:
+            rows.append(asyncio.run(http_clients(url, c, max(4, c) if c < 64 else c, prompt_len, max_tokens)))
+            print(f"  http {c:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tok/s", flush=True)
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+
+
+def fmt(v: float | None, scale: float = 1000.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--levels", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--system-len", type=int, default=1536, help="shared system prompt of the prefix workload")
+    ap.add_argument("--long-prompt", type=int, default=1024, help="prompt of the prefill-mode comparison")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (engine and HTTP server)")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results: dict = {"load_average_at_start": os.getloadavg(), "threads": args.threads,
+                     "cpu_count": os.cpu_count(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                     "presets": {}}
+    for preset in args.presets:
+        print(f"== {preset}", flush=True)
+        model, tok, _ = load_for_inference(preset)
+        r: dict = {}
+        r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens)
+        one = next((x for x in r["concurrency"] if x["clients"] == 1), None)
+        sixteen = next((x for x in r["concurrency"] if x["clients"] == 16), None)
+        if one and sixteen:
+            r["throughput_16_vs_1"] = sixteen["tokens_per_s"] / one["tokens_per_s"]
+        r["shared_prefix"] = bench_shared_prefix(model, tok, args.system_len, 16, 5, 256)
+        sp = r["shared_prefix"]
+        print(f"  shared prefix: TTFT x{sp['ttft_speedup']:.1f} (replay x{sp['ttft_speedup_replay']:.1f})", flush=True)
+        r["prefill_modes"] = bench_prefill_modes(model, tok, args.long_prompt, 3, 256)
+        print(f"  bounded vs exact prefill: x{r['prefill_modes']['speedup']:.2f}", flush=True)
+        results["presets"][preset] = r
+    if not args.skip_http:
+        print("== http (tiny, openflash serve)", flush=True)
+        results["http_tiny"] = bench_http(args.levels, args.prompt_len, args.max_tokens, args.threads)
+
+    print(f"\nload average at start {results['load_average_at_start']}, torch threads {args.threads}")
+    print(f"{'preset':6s} {'clients':>7s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+          f"{'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
+    rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
+    rows += [("http", x) for x in results.get("http_tiny", [])]
+    for name, x in rows:
+        print(f"{name:6s} {x['clients']:7d} {x['requests']:4d} {x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
+              f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
+    for p, r in results["presets"].items():
+        sp, pm = r["shared_prefix"], r["prefill_modes"]
+        ttft_off, ttft_on = sp["without_prefix_cache"]["ttft_p50_s"], sp["with_prefix_cache"]["ttft_p50_s"]
+        print(f"{p}: 16 vs 1 client throughput x{r.get('throughput_16_vs_1', float('nan')):.2f}; shared prefix "
+              f"({sp['system_tokens']} + {sp['question_tokens']} tokens) TTFT {fmt(ttft_off)}"
+              f" -> {fmt(ttft_on)} ms (x{sp['ttft_speedup']:.1f}, outputs equal: {sp['outputs_equal']}; replay "
+              f"restore x{sp['ttft_speedup_replay']:.1f}, {sp['replay_token_agreement']:.0%} tokens agree); "
+              f"{pm['prompt_tokens']}-token prefill bounded {fmt(pm['bounded_ttft_s'])} ms vs "
+              f"exact {fmt(pm['exact_ttft_s'])} ms (x{pm['speedup']:.2f})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

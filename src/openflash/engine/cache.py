@@ -1,0 +1,511 @@
+"""KV state for the serving engine: a block pool for the global compressed cache, and batch regrouping.
+
+The global cache (architecture.md §7.2; quant_and_cache.md §6) is one compressed KV plane plus one index-key plane
+per KV-owner (FULL) layer; it grows with the sequence, so it lives in fixed-size blocks taken from one `BlockPool`
+shared by every owner layer and every sequence. A sequence's `PagedCompressedCache` holds only a block table per
+row. Regrouping the decode batch (select / concat) then copies block tables, never KV; a cached prompt prefix shares
+its full blocks with the sequences that reuse it (reference counts, copy-on-write for the one block a sequence
+still appends to). Everything bounded per sequence (window rings, the compressor's open group, the Engram hash
+history) stays dense and is copied on regroup.
+
+Storage formats (`kv_storage`):
+- "fp32": planes hold the QDQ'd values as fp32 (what the model computes with);
+- "packed": the trained formats, quant_and_cache.md §6: main KV as E2M1 with an E4M3 scale per 16 channels
+  (288 B per 512-d entry), index keys as MXFP4 (E2M1 + UE8M0 per 32; 68 B per 128-d key), window rings as FP8
+  E4M3 + UE8M0 per 32 (528 B per 512-d slot). The model already QDQs these tensors (numerics `cache_qdq`), so
+  packing loses nothing: decode(encode(v)) == v for every QDQ'd v (see `encode_kv_exact`).
+
+The model reads a compressed cache only through `write(rows, entries, kv, index_k)`, `read(n)`, `length`,
+`partial_kv` and `partial_score` (model/attention.py), so `PagedCompressedCache` is a drop-in there. The model's
+own `ModelCache.select` / `concat` build dense `CompressedCache`s, so the engine regroups with `select_rows` /
+`concat_rows` below instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openflash import formats
+from openflash.config import FlashConfig, LayerMode
+from openflash.errors import OpenflashError
+from openflash.memory.hashing import EngramHashState
+from openflash.model.cache import ModelCache, ReplayBuffer, WindowCache
+
+KV_STORAGES = ("fp32", "packed")
+_E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
+
+
+class CacheFullError(OpenflashError):
+    """The block pool reached its configured size."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exact packing of already-QDQ'd values
+
+
+def encode_kv_exact(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_kv_fp4 for values that are already FP4/E4M3-per-16 QDQ'd, such that decoding gives v back exactly.
+
+    The plain encoder recomputes the scale from the QDQ'd block's amax. That reproduces the original scale
+    whenever it is an E4M3 normal (the block's max then sits at code 6), but a subnormal scale (amax < 6 * 2^-6)
+    can come back one grid step smaller. The original scale is one of the few subnormal codes above the recomputed
+    one, so those blocks try the next codes until the round trip is exact.
+    """
+    packed, scales = formats.encode_kv_fp4(v)
+    blocks = v.float().unflatten(-1, (-1, 16))
+    decoded = formats.decode_kv_fp4(packed, scales).unflatten(-1, (-1, 16))
+    bad = ((decoded != blocks) & ~(decoded.isnan() & blocks.isnan())).any(-1)  # NaN blocks round-trip as NaN
+    if not bool(bad.any()):
+        return packed, scales
+    idx = bad.nonzero(as_tuple=True)
+    vb, base = blocks[idx], scales[idx].int()
+    done = torch.zeros_like(base, dtype=torch.bool)
+    for step in range(1, _E4M3_MIN_NORMAL_CODE + 1):
+        code = (base + step).clamp(max=126).to(torch.uint8)
+        s = formats.e4m3_decode(code).unsqueeze(-1)
+        q = formats.e2m1_encode((vb / s).clamp(-formats.E2M1_MAX, formats.E2M1_MAX))
+        ok = ~done & (formats.e2m1_decode(q) * s == vb).all(-1)
+        sel = tuple(i[ok] for i in idx)
+        scales[sel] = code[ok]
+        packed.unflatten(-1, (-1, 8))[sel] = formats.pack_fp4(q[ok])
+        done |= ok
+        if bool(done.all()):
+            return packed, scales
+    raise ValueError("encode_kv_exact: the input is not an FP4/E4M3-per-16 QDQ'd tensor")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The block pool
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """What one compressed-cache entry holds: a main-KV vector and an index key."""
+
+    head_dim: int
+    index_head_dim: int
+    storage: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.storage not in KV_STORAGES:
+            raise OpenflashError(f"kv storage must be one of {list(KV_STORAGES)}, got {self.storage!r}")
+
+    def planes(self) -> dict[str, tuple[int, torch.dtype]]:
+        """Storage planes: name -> (width, dtype)."""
+        if self.storage == "fp32":
+            return {"kv": (self.head_dim, torch.float32), "index_k": (self.index_head_dim, torch.float32)}
+        return {"kv": (self.head_dim // 2, torch.uint8), "kv_scale": (self.head_dim // 16, torch.uint8),
+                "index_k": (self.index_head_dim // 2, torch.uint8),
+                "index_scale": (self.index_head_dim // 32, torch.uint8)}
+
+    @property
+    def entry_bytes(self) -> int:
+        if self.storage == "fp32":
+            return 4 * (self.head_dim + self.index_head_dim)
+        return formats.cache_entry_bytes("main_kv", self.head_dim) + \
+            formats.cache_entry_bytes("index_k", self.index_head_dim)
+
+    def encode(self, kv: torch.Tensor, index_k: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.storage == "fp32":
+            return {"kv": kv.float(), "index_k": index_k.float()}
+        kv_packed, kv_scale = encode_kv_exact(kv.float())
+        ik_packed, ik_scale = formats.encode_index_mxfp4(index_k.float())
+        return {"kv": kv_packed, "kv_scale": kv_scale, "index_k": ik_packed, "index_scale": ik_scale}
+
+    def decode(self, planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.storage == "fp32":
+            return planes["kv"], planes["index_k"]
+        return (formats.decode_kv_fp4(planes["kv"], planes["kv_scale"]),
+                formats.decode_index_mxfp4(planes["index_k"], planes["index_scale"]))
+
+
+class BlockPool:
+    """Fixed-size blocks of compressed-cache entries, shared by all owner layers and sequences.
+
+    Block 0 is a permanent all-zero block: block tables are padded with it. Blocks are reference counted; a block
+    returns to the free list when its count drops to 0. The pool grows (doubling) when it runs out, up to
+    `max_blocks` if set.
+    """
+
+    def __init__(self, layout: EntryLayout, block_size: int = 16, initial_blocks: int = 64,
+                 max_blocks: int | None = None, device: torch.device | str = "cpu") -> None:
+        if block_size < 1:
+            raise OpenflashError(f"KV block size must be >= 1 entry, got {block_size}")
+        self.layout, self.block_size, self.max_blocks = layout, block_size, max_blocks
+        self.device = torch.device(device)
+        n = max(2, initial_blocks if max_blocks is None else min(initial_blocks, max_blocks))
+        self.planes = {name: torch.zeros(n, block_size, width, dtype=dtype, device=self.device)
+                       for name, (width, dtype) in layout.planes().items()}
+        self.refcount = torch.zeros(n, dtype=torch.int32)
+        self.refcount[0] = 1  # the zero block is never handed out
+        self.free: list[int] = list(range(n - 1, 0, -1))  # pop() hands out low ids first
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return int(self.refcount.shape[0])
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - 1 - len(self.free)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.layout.entry_bytes
+
+    def nbytes(self) -> int:
+        """Bytes allocated for the planes (used or free)."""
+        return sum(t.numel() * t.element_size() for t in self.planes.values())
+
+    # ---- allocation ---------------------------------------------------------------------------------------
+    def _grow(self, needed: int) -> None:
+        n = self.num_blocks
+        target = max(2 * n, n + needed)
+        if self.max_blocks is not None:
+            target = min(target, self.max_blocks)
+        if target - n < needed:
+            raise CacheFullError(f"the KV block pool is full ({self.max_blocks} blocks of {self.block_size} "
+                                 f"entries); lower --max-batch / --max-context or raise the pool size")
+        for name, t in self.planes.items():
+            self.planes[name] = torch.cat((t, t.new_zeros(target - n, *t.shape[1:])))
+        self.refcount = torch.cat((self.refcount, torch.zeros(target - n, dtype=torch.int32)))
+        self.free.extend(range(target - 1, n - 1, -1))
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` fresh blocks, each with reference count 1."""
+        if count > len(self.free):
+            self._grow(count - len(self.free))
+        blocks = [self.free.pop() for _ in range(count)]
+        self.refcount[blocks] = 1
+        return blocks
+
+    def incref(self, blocks: torch.Tensor) -> None:
+        blocks = blocks[blocks > 0]
+        if blocks.numel():
+            self.refcount.index_add_(0, blocks.cpu(), torch.ones(blocks.numel(), dtype=torch.int32))
+
+    def decref(self, blocks: torch.Tensor) -> None:
+        blocks = blocks[blocks > 0].cpu()
+        if not blocks.numel():
+            return
+        self.refcount.index_add_(0, blocks, torch.full((blocks.numel(),), -1, dtype=torch.int32))
+        touched = blocks.unique()
+        counts = self.refcount[touched]
+        if bool((counts < 0).any()):
+            raise RuntimeError("KV block released more often than it was referenced")
+        self.free.extend(touched[counts == 0].tolist())
+
+    def copy_block(self, src: int) -> int:
+        """A new block holding the contents of `src` (copy-on-write)."""
+        (dst,) = self.allocate(1)
+        for t in self.planes.values():
+            t[dst] = t[src]
+        return dst
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def store(self, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        for name, value in self.layout.encode(kv, index_k).items():
+            self.planes[name][blocks, offsets] = value.to(self.planes[name].dtype)
+
+    def gather(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk])."""
+        B, nb = table.shape
+        planes = {name: t[table].reshape(B, nb * self.block_size, t.shape[-1]) for name, t in self.planes.items()}
+        return self.layout.decode(planes)
+
+    def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        """Raw plane contents of some blocks (for persisting a prefix cache)."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        return {name: t[index].clone() for name, t in self.planes.items()}
+
+    def write_blocks(self, blocks: list[int], planes: dict[str, torch.Tensor]) -> None:
+        index = torch.tensor(blocks, dtype=torch.long)
+        for name, t in self.planes.items():
+            t[index] = planes[name].to(t.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A paged compressed cache (one KV-owner layer, B rows)
+
+
+class PagedCompressedCache:
+    """The compressed KV and index keys of one owner layer for B sequences, as block tables into a pool.
+
+    Same interface as model.cache.CompressedCache: `write`, `read`, `length`, `partial_kv`, `partial_score`.
+    Each instance holds one pool reference per table entry; `release()` drops them (the engine calls it when a
+    sequence finishes or a batch is regrouped).
+    """
+
+    def __init__(self, pool: BlockPool, table: torch.Tensor, length: torch.Tensor, partial_kv: torch.Tensor,
+                 partial_score: torch.Tensor) -> None:
+        self.pool, self.table = pool, table  # table: long [B, nb], 0 = no block
+        self.length, self.partial_kv, self.partial_score = length, partial_kv, partial_score
+
+    @classmethod
+    def empty(cls, pool: BlockPool, batch_size: int, ratio: int, head_dim: int,
+              device: torch.device | str = "cpu") -> "PagedCompressedCache":
+        return cls(pool, torch.zeros(batch_size, 0, dtype=torch.long),
+                   torch.zeros(batch_size, dtype=torch.long, device=device),
+                   torch.zeros(batch_size, ratio, head_dim, device=device),
+                   torch.full((batch_size, ratio, head_dim), float("-inf"), device=device))
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.table.shape[0])
+
+    # ---- the interface the model uses -----------------------------------------------------------------------
+    def write(self, rows: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store compressed entries: batch row rows[i] gets entry id entries[i]."""
+        if rows.numel() == 0:
+            return
+        bs = self.pool.block_size
+        rows_c, entries_c = rows.cpu(), entries.cpu()
+        slot = entries_c // bs
+        self._ensure_blocks(rows_c, slot)
+        blocks = self.table[rows_c, slot]
+        shared = self.pool.refcount[blocks] > 1
+        if bool(shared.any()):
+            # Copy-on-write: this row appends into a block a cached prefix (or another row) still holds.
+            for r, s in {(int(r), int(s)) for r, s in zip(rows_c[shared], slot[shared])}:
+                old = int(self.table[r, s])
+                if int(self.pool.refcount[old]) > 1:
+                    self.table[r, s] = self.pool.copy_block(old)
+                    self.pool.decref(torch.tensor([old]))
+            blocks = self.table[rows_c, slot]
+        self.pool.store(blocks.to(self.pool.device), (entries_c % bs).to(self.pool.device), kv, index_k)
+
+    def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk]); rows with fewer read zeros."""
+        nb = -(-n // self.pool.block_size)
+        table = self.table[:, :nb]
+        if table.shape[1] < nb:
+            table = torch.cat((table, table.new_zeros(table.shape[0], nb - table.shape[1])), dim=1)
+        kv, index_k = self.pool.gather(table.to(self.pool.device))
+        return kv[:, :n], index_k[:, :n]
+
+    # ---- block bookkeeping ----------------------------------------------------------------------------------
+    def _ensure_blocks(self, rows: torch.Tensor, slot: torch.Tensor) -> None:
+        have = (self.table > 0).sum(dim=1).tolist()
+        need: dict[int, int] = {}
+        for r, s in zip(rows.tolist(), slot.tolist()):
+            if s >= have[r] and s + 1 > need.get(r, 0):
+                need[r] = s + 1
+        if not need:
+            return
+        width = max(need.values())
+        if width > self.table.shape[1]:
+            self.table = torch.cat((self.table, self.table.new_zeros(self.batch_size, width - self.table.shape[1])),
+                                   dim=1)
+        for r, stop in need.items():
+            self.table[r, have[r]:stop] = torch.tensor(self.pool.allocate(stop - have[r]), dtype=torch.long)
+
+    def blocks_per_row(self) -> list[int]:
+        return (self.table > 0).sum(dim=1).tolist()
+
+    # ---- regrouping -------------------------------------------------------------------------------------------
+    def select(self, rows: torch.Tensor) -> "PagedCompressedCache":
+        """The given rows, as a new cache with its own block references (the blocks themselves are shared)."""
+        table = self.table.index_select(0, rows.cpu())
+        width = int((table > 0).sum(dim=1).max()) if table.numel() else 0
+        table = table[:, :width].clone()
+        self.pool.incref(table.flatten())
+        dev = self.length.device
+        rows = rows.to(dev)
+        return PagedCompressedCache(self.pool, table, self.length.index_select(0, rows),
+                                    self.partial_kv.index_select(0, rows), self.partial_score.index_select(0, rows))
+
+    @staticmethod
+    def concat(caches: list["PagedCompressedCache"]) -> "PagedCompressedCache":
+        pool = caches[0].pool
+        width = max(c.table.shape[1] for c in caches)
+        table = torch.cat([torch.cat((c.table, c.table.new_zeros(c.batch_size, width - c.table.shape[1])), dim=1)
+                           for c in caches])
+        pool.incref(table.flatten())
+        return PagedCompressedCache(pool, table, torch.cat([c.length for c in caches]),
+                                    torch.cat([c.partial_kv for c in caches]),
+                                    torch.cat([c.partial_score for c in caches]))
+
+    def release(self) -> None:
+        """Drop this cache's block references (idempotent)."""
+        self.pool.decref(self.table.flatten())
+        self.table = self.table.new_zeros(self.batch_size, 0)
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks this cache references (shared blocks counted in full) plus its dense state."""
+        blocks = int((self.table > 0).sum())
+        dense = sum(t.numel() * t.element_size() for t in (self.length, self.partial_kv, self.partial_score))
+        return blocks * self.pool.block_bytes + dense
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 window rings
+
+
+class PackedWindowCache:
+    """A sliding-window ring stored as FP8 E4M3 codes with a UE8M0 scale per 32 channels (528 B per 512-d slot).
+
+    Same interface as model.cache.WindowCache: `kv` (decoded on access), `pos`, `write`.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor) -> None:
+        self.codes, self.scales, self.pos = codes, scales, pos  # [B, W, D] u8, [B, W, D/32] u8, [B, W] long
+
+    @classmethod
+    def empty(cls, batch_size: int, window: int, dim: int, device: torch.device | str = "cpu") -> "PackedWindowCache":
+        # Code 0 with scale byte 0 decodes to 0.0, like the dense ring's zeros.
+        return cls(torch.zeros(batch_size, window, dim, dtype=torch.uint8, device=device),
+                   torch.zeros(batch_size, window, dim // 32, dtype=torch.uint8, device=device),
+                   torch.full((batch_size, window), -1, dtype=torch.long, device=device))
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return formats.decode_window_fp8(self.codes, self.scales)
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Store tokens at slot position % W; only the last W of a chunk survive."""
+        window = self.codes.shape[1]
+        keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - window)
+        b_idx, s_idx = keep.nonzero(as_tuple=True)
+        slots = positions[b_idx, s_idx] % window
+        codes, scales = formats.encode_window_fp8(kv[b_idx, s_idx].float())
+        self.codes[b_idx, slots] = codes
+        self.scales[b_idx, slots] = scales
+        self.pos[b_idx, slots] = positions[b_idx, s_idx]
+
+    def select(self, rows: torch.Tensor) -> "PackedWindowCache":
+        return PackedWindowCache(self.codes.index_select(0, rows), self.scales.index_select(0, rows),
+                                 self.pos.index_select(0, rows))
+
+    def clone(self) -> "PackedWindowCache":
+        return PackedWindowCache(self.codes.clone(), self.scales.clone(), self.pos.clone())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.pos))
+
+
+AnyWindow = WindowCache | PackedWindowCache
+
+
+def _window_select(w: AnyWindow, rows: torch.Tensor) -> AnyWindow:
+    if isinstance(w, PackedWindowCache):
+        return w.select(rows)
+    return WindowCache(w.kv.index_select(0, rows), w.pos.index_select(0, rows))
+
+
+def _window_concat(ws: list[AnyWindow]) -> AnyWindow:
+    if isinstance(ws[0], PackedWindowCache):
+        return PackedWindowCache(torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
+                                 torch.cat([w.pos for w in ws]))
+    return WindowCache(torch.cat([w.kv for w in ws]), torch.cat([w.pos for w in ws]))
+
+
+def window_clone(w: AnyWindow) -> AnyWindow:
+    if isinstance(w, PackedWindowCache):
+        return w.clone()
+    return WindowCache(w.kv.clone(), w.pos.clone())
+
+
+def _window_nbytes(w: AnyWindow) -> int:
+    if isinstance(w, PackedWindowCache):
+        return w.nbytes()
+    return w.kv.numel() * w.kv.element_size() + w.pos.numel() * w.pos.element_size()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole per-batch caches
+
+
+@dataclass
+class CacheFactory:
+    """Builds engine caches: paged compressed planes from one pool, dense or FP8 window rings."""
+
+    cfg: FlashConfig
+    pool: BlockPool
+    window_storage: str = "fp32"  # "fp32" or "packed" (FP8)
+    device: torch.device | str = "cpu"
+
+    @classmethod
+    def create(cls, cfg: FlashConfig, kv_storage: str = "fp32", block_size: int = 16, max_blocks: int | None = None,
+               device: torch.device | str = "cpu") -> "CacheFactory":
+        layout = EntryLayout(cfg.head_dim, cfg.index_head_dim, kv_storage)
+        return cls(cfg, BlockPool(layout, block_size, max_blocks=max_blocks, device=device), kv_storage, device)
+
+    def owner_ratios(self) -> dict[int, int]:
+        return {t.index: t.compress_ratio for t in self.cfg.topology.layers if t.mode == LayerMode.FULL}
+
+    def empty(self, batch_size: int = 1) -> ModelCache:
+        cfg = self.cfg
+        if self.window_storage == "packed":
+            window = [PackedWindowCache.empty(batch_size, cfg.sliding_window, cfg.head_dim, self.device)
+                      for _ in cfg.topology.layers]
+        else:
+            window = [WindowCache(torch.zeros(batch_size, cfg.sliding_window, cfg.head_dim, device=self.device),
+                                  torch.full((batch_size, cfg.sliding_window), -1, dtype=torch.long,
+                                             device=self.device))
+                      for _ in cfg.topology.layers]
+        compressed = {i: PagedCompressedCache.empty(self.pool, batch_size, r, cfg.head_dim, self.device)
+                      for i, r in self.owner_ratios().items()}
+        engram = EngramHashState.empty(batch_size, cfg.engram_max_ngram_size - 1, device=self.device) \
+            if cfg.engram_layer_ids else None
+        return ModelCache(pos=torch.zeros(batch_size, dtype=torch.long, device=self.device), window=window,
+                          compressed=compressed, engram=engram)
+
+    # ---- accounting -----------------------------------------------------------------------------------------
+    def global_bytes_per_token(self) -> float:
+        """Bytes of global (compressed) cache per token: each owner adds one entry per `ratio` tokens."""
+        return sum(self.pool.layout.entry_bytes / r for r in self.owner_ratios().values())
+
+    def window_bytes_per_sequence(self) -> int:
+        """Bytes of the bounded per-sequence state: window rings (every layer)."""
+        cfg = self.cfg
+        slot = formats.cache_entry_bytes("window", cfg.head_dim) if self.window_storage == "packed" \
+            else 4 * cfg.head_dim
+        return len(cfg.topology.layers) * cfg.sliding_window * slot
+
+
+def select_rows(cache: ModelCache, rows: list[int] | torch.Tensor) -> ModelCache:
+    """A new cache holding the given rows (window state copied; compressed blocks shared by reference)."""
+    rows = torch.as_tensor(rows, dtype=torch.long, device=cache.pos.device)
+    return ModelCache(
+        pos=cache.pos.index_select(0, rows),
+        window=[_window_select(w, rows) for w in cache.window],
+        compressed={i: c.select(rows) for i, c in cache.compressed.items()},
+        engram=cache.engram.select(rows) if cache.engram is not None else None,
+        replay=None if cache.replay is None else ReplayBuffer(cache.replay.residual.index_select(0, rows),
+                                                              cache.replay.pre_mix.index_select(0, rows),
+                                                              cache.replay.positions.index_select(0, rows)),
+        meta=dict(cache.meta),
+    )
+
+
+def concat_rows(caches: list[ModelCache]) -> ModelCache:
+    """Join caches along the batch (new block references; release the parts afterwards)."""
+    if any(c.replay is not None for c in caches):
+        raise ValueError("a cache with a pending bounded-replay prefill cannot join a batch; finish the prefill")
+    first = caches[0]
+    return ModelCache(
+        pos=torch.cat([c.pos for c in caches]),
+        window=[_window_concat([c.window[i] for c in caches]) for i in range(len(first.window))],
+        compressed={i: PagedCompressedCache.concat([c.compressed[i] for c in caches]) for i in first.compressed},
+        engram=EngramHashState.concat([c.engram for c in caches]) if first.engram is not None else None,
+        meta=dict(first.meta),
+    )
+
+
+def release(cache: ModelCache | None) -> None:
+    """Return a cache's KV blocks to the pool (its dense tensors are freed when it is dropped)."""
+    if cache is None:
+        return
+    for c in cache.compressed.values():
+        c.release()
+
+
+def cache_nbytes(cache: ModelCache) -> int:
+    total = cache.pos.numel() * 8 + sum(_window_nbytes(w) for w in cache.window)
+    total += sum(c.nbytes() for c in cache.compressed.values())
+    if cache.replay is not None:
+        total += sum(t.numel() * t.element_size() for t in (cache.replay.residual, cache.replay.pre_mix,
+                                                             cache.replay.positions))
+    return total

@@ -1,0 +1,368 @@
+"""LLMEngine: requests in, tokens out, with continuous batching, a paged global KV cache and prefix caching.
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_batch=16))
+    rid = engine.add_request("def fib(n):", SamplingParams(max_tokens=32), on_output=print)
+    while engine.has_work():
+        engine.step()                      # or engine.start() for a background thread (the server)
+
+One `step()`: take new requests and cancellations, let the scheduler pick prompt chunks and the decode set, prefill
+the chunks one sequence at a time, decode every running sequence in one batched call, sample (each request with its
+own generator, so batch composition never changes a result), apply stop conditions, free finished sequences at
+once, and hand each request its `RequestOutput`.
+
+add_request / abort are thread-safe; everything else runs on the thread that calls step() (the engine thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from tokenizers import Tokenizer
+
+from openflash.engine.cache import KV_STORAGES, CacheFactory
+from openflash.engine.metrics import EngineMetrics
+from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
+from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
+                                      validate_prompt)
+from openflash.engine.runner import PREFILL_MODES, ModelRunner
+from openflash.engine.sampling import SamplerState, SamplingParams, sample
+from openflash.engine.scheduler import Scheduler, SchedulerConfig
+from openflash.errors import OpenflashError
+from openflash.model.transformer import Transformer
+
+log = logging.getLogger("openflash.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 32  # sequences admitted at once (prefilling + decoding)
+    max_context: int = 4096  # prompt + completion tokens per sequence
+    max_step_tokens: int = 512  # prompt + decode tokens per engine step
+    prefill_chunk: int = 128  # prompt chunk length (chunks end at multiples of it)
+    max_waiting: int = 256  # queued requests before add_request refuses (QueueFullError)
+    prefill_mode: str = "bounded"  # CED bounded replay (architecture.md §7.3) or "exact"
+    kv_storage: str = "fp32"  # "fp32" or "packed" (FP4 main KV, MXFP4 index keys, FP8 window rings)
+    kv_block_size: int = 16  # compressed entries per pool block
+    max_kv_blocks: int | None = None  # pool size limit (None: grows as needed)
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = 256 << 20
+    prefix_restore: str = "snapshot"  # "snapshot" (exact) or "replay" (global KV only; windows replayed)
+    prefix_block_tokens: int | None = None  # default: prefill_chunk (snapshot) or 16 x max ratio (replay)
+    prefix_cache_dir: str | None = None  # persist entries here (loaded at start, saved at shutdown)
+    engram_speculate: int = 0  # with an Engram memory tier: prefetch rows of the k likeliest next tokens
+
+    def validate(self) -> "EngineConfig":
+        if self.prefill_mode not in PREFILL_MODES:
+            raise OpenflashError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {self.prefill_mode!r}")
+        if self.kv_storage not in KV_STORAGES:
+            raise OpenflashError(f"kv_storage must be one of {list(KV_STORAGES)}, got {self.kv_storage!r}")
+        if self.prefix_restore not in RESTORE_MODES:
+            raise OpenflashError(f"prefix_restore must be one of {list(RESTORE_MODES)}, got {self.prefix_restore!r}")
+        if self.max_context < 2:
+            raise OpenflashError(f"max_context must be >= 2, got {self.max_context}")
+        block = self.prefix_block_tokens
+        if block is not None and self.prefix_restore == "snapshot" and self.prefill_chunk % block:
+            raise OpenflashError(f"prefix_block_tokens {block} must divide prefill_chunk {self.prefill_chunk} in "
+                                 f"snapshot mode (snapshots are taken where prefill chunks end)")
+        return self
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting)
+
+
+def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
+    """Identifies what a persisted prefix cache depends on: config, weights, numerics and cache settings."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(model.cfg.to_hf_dict(), sort_keys=True, default=str).encode())
+    digest.update(json.dumps([model.numerics.name, config.prefill_mode, config.kv_storage, config.prefix_restore,
+                              config.prefix_block_tokens, config.prefill_chunk]).encode())
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
+                 memory: Any = None) -> None:
+        self.config = config.validate()
+        if config.kv_storage == "packed" and not model.numerics.cache_qdq:
+            raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
+                                 f"cache QDQ; the model runs {model.numerics.name!r}")
+        self.model, self.tokenizer, self.memory = model, tokenizer, memory
+        self.cfg = model.cfg
+        self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
+                                           model.device)
+        self.runner = ModelRunner(model, self.factory, config.prefill_mode, memory, config.engram_speculate)
+        self.scheduler = Scheduler(config.scheduler_config(), self._admit)
+        self.metrics = EngineMetrics()
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache:
+            ratios = list(self.factory.owner_ratios().values()) or [1]
+            block = config.prefix_block_tokens or (config.prefill_chunk if config.prefix_restore == "snapshot"
+                                                   else 16 * max(ratios))
+            fingerprint = model_fingerprint(model, config) if config.prefix_cache_dir else ""
+            self.prefix_cache = PrefixCache(self.factory, block, config.prefix_cache_bytes, config.prefix_restore,
+                                            fingerprint)
+            if config.prefix_cache_dir:
+                n = self.prefix_cache.load(config.prefix_cache_dir)
+                log.info("prefix cache: loaded %d entries from %s", n, config.prefix_cache_dir)
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._accepting = True
+        self._abort_all = False  # shutdown: cancel everything still running
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._removals: list[str] = []
+        self._engram_stats: dict | None = memory.stats() if memory is not None else None
+
+    # ---- requests (any thread) ----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False) -> Sequence:
+        """Queue a request; raises OpenflashError (PromptTooLongError, MaxTokensError, QueueFullError,
+        EngineStoppedError) if it cannot be served. Outputs go to on_output (on the engine thread)."""
+        params.validate(self.config.max_context - 1)
+        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        validate_prompt(ids, params, self.cfg.vocab_size, self.config.max_context)
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, SamplerState.create(params),
+                       eos_token_id=None if ignore_eos else self.cfg.eos_token_id, on_output=on_output)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the server is shutting down and takes no new requests")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise QueueFullError(f"the request queue is full ({self.config.max_waiting} waiting); retry later")
+            self._inbox.append(seq)
+            self._lock.notify()
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its state is freed at the start of the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown began."""
+        return self._accepting
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work
+
+    # ---- one step (engine thread) -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs: list[tuple[Sequence, RequestOutput]] = []
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self.scheduler.waiting.append(seq)  # capacity was checked in add_request
+        if self._abort_all:
+            aborts += [s.request_id for s in self.scheduler.all_sequences()]
+        for rid in aborts:
+            seq = self.scheduler.find(rid)
+            if seq is not None:
+                outputs.append((seq, self._finish(seq, ABORT)))
+        plan = self.scheduler.schedule()
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if seq.finished:
+                continue
+            try:
+                logits = self.runner.prefill(seq, chunk.start, chunk.end)
+                self.metrics.prompt_tokens += chunk.num_tokens
+                self._cache_prefix(seq, chunk.start, chunk.end)
+            except Exception as exc:  # a failure fails this request, not the server
+                log.exception("prefill of request %s failed", seq.request_id)
+                outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                continue
+            if chunk.last:
+                self.scheduler.promote(seq)
+                token = int(sample(logits.unsqueeze(0), [seq.sampler])[0])
+                outputs.append((seq, self._append(seq, token)))
+        decodes = [s for s in plan.decodes if not s.finished]
+        if decodes:
+            try:
+                ordered, logits = self.runner.decode(decodes)
+                tokens = sample(logits, [s.sampler for s in ordered]).tolist()
+            except Exception as exc:
+                log.exception("batched decode failed")
+                for seq in decodes:
+                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+            else:
+                for seq, token in zip(ordered, tokens):
+                    outputs.append((seq, self._append(seq, token)))
+        self._flush_removals()
+        if self.memory is not None:  # snapshot for other threads (the memory tier is single-threaded)
+            self._engram_stats = self.memory.stats()
+        self.metrics.steps += 1
+        self.metrics.step_time.observe(time.perf_counter() - start)
+        for seq, out in outputs:
+            self._deliver(seq, out)
+        return [out for _, out in outputs]
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt."""
+        seq.scheduled_time = time.perf_counter()
+        self.metrics.queue_time.observe(seq.scheduled_time - seq.arrival_time)
+        try:
+            entry = self.prefix_cache.lookup(seq.prompt_ids) if self.prefix_cache is not None else None
+            if entry is None:
+                seq.cache = self.runner.new_cache()
+                return True
+            seq.cache = self.prefix_cache.restore(entry)
+            if self.prefix_cache.restore_mode == "replay":
+                self.runner.replay_prefix(seq.cache, seq.prompt_ids, entry.num_tokens)
+            seq.num_prefilled = seq.num_cached = entry.num_tokens
+            self.metrics.cached_prompt_tokens += entry.num_tokens
+            return True
+        except Exception as exc:
+            log.exception("admitting request %s failed", seq.request_id)
+            self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
+            return False
+
+    def _cache_prefix(self, seq: Sequence, start: int, end: int) -> None:
+        """Offer the prefix cache the states this chunk passed (see prefix_cache.py for where entries go)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        block = pc.block_tokens
+        if pc.restore_mode == "snapshot":
+            # A snapshot must be the state of a prefill that stops there: only between chunks.
+            if end < seq.prompt_len and end % block == 0:
+                pc.insert(seq.prompt_ids, end, seq.cache)
+            return
+        for boundary in range((start // block + 1) * block, end + 1, block):
+            pc.insert(seq.prompt_ids, boundary, seq.cache)
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        out = seq.append_token(token, self.tokenizer.decode, now)
+        self.metrics.record_token(seq, now)
+        if seq.finished:
+            self._release(seq)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        seq.finish(reason, error)
+        self._release(seq)
+        return seq.emit([])
+
+    def _release(self, seq: Sequence) -> None:
+        """Forget a finished sequence: its own cache now, its decode-batch rows at the end of the step."""
+        self.scheduler.remove(seq)
+        self.runner.free_own(seq)
+        self._removals.append(seq.request_id)
+        self.metrics.record_finish(seq)
+
+    def _flush_removals(self) -> None:
+        """Drop the decode-batch rows of every sequence finished in this step, in one regroup."""
+        removals, self._removals = self._removals, []
+        self.runner.remove(removals)
+
+    def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
+        if seq.on_output is None:
+            return
+        try:
+            seq.on_output(out)
+        except Exception:  # a broken consumer must not stop the engine; cancel its request
+            log.exception("output callback of request %s failed; aborting it", seq.request_id)
+            if not seq.finished:
+                self.abort(seq.request_id)
+
+    # ---- offline use ------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 ignore_eos: bool = False) -> list[Sequence]:
+        """Run prompts to completion on the calling thread (no background loop); sequences in input order."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the engine itself; the background loop is running")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp, ignore_eos=ignore_eos) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    # ---- background loop (the server) ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="openflash-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stop or self._inbox or self._aborts or self.scheduler.has_work):
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # keep serving: fail what was in flight
+                log.exception("engine step failed")
+                for seq in self.scheduler.all_sequences():
+                    self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
+                self._flush_removals()
+
+    def shutdown(self, drain_timeout: float = 10.0) -> None:
+        """Stop taking requests, let running ones finish for up to drain_timeout seconds, abort the rest, stop the
+        loop, and persist the prefix cache if configured."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self.has_work() and time.monotonic() < deadline:
+            if self._thread is None:
+                self.step()
+            else:
+                time.sleep(0.02)
+        with self._lock:
+            self._abort_all = True
+            self._lock.notify_all()
+        if self._thread is None:
+            while self.has_work():
+                self.step()
+        else:
+            while self.has_work() and self._thread.is_alive():
+                time.sleep(0.01)
+            with self._lock:
+                self._stop = True
+                self._lock.notify_all()
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self.prefix_cache is not None and self.config.prefix_cache_dir:
+            path = self.prefix_cache.save(self.config.prefix_cache_dir)
+            log.info("prefix cache: saved %d entries to %s", len(self.prefix_cache.entries), path)
+
+    # ---- reporting ------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        pool = self.factory.pool
+        out: dict[str, Any] = {
+            "waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "prefilling": len(self.scheduler.prefilling),
+            "running": len(self.scheduler.running),
+            "kv_blocks_in_use": pool.blocks_in_use,
+            "kv_blocks_total": pool.num_blocks - 1,
+            "kv_block_entries": pool.block_size,
+            "kv_storage": self.config.kv_storage,
+            "global_cache_bytes_per_token": self.factory.global_bytes_per_token(),
+            "window_bytes_per_sequence": self.factory.window_bytes_per_sequence(),
+            "prefix_cache": self.prefix_cache.summary() if self.prefix_cache is not None else None,
+            "kv_bytes_in_use": pool.blocks_in_use * pool.block_bytes,
+            "kv_pool_bytes": pool.nbytes(),
+            "engram": self._engram_stats,
+            "regroups": self.runner.regroups,
+            "config": asdict(self.config),
+        }
+        return out

@@ -1,0 +1,164 @@
+"""A request's life in the engine: its sequence state, status, outputs and timestamps.
+
+A `Sequence` is created by `LLMEngine.add_request`, waits in the scheduler's queue, has its prompt prefilled in
+chunks (its own one-row cache), then joins the decode batch (its rows live in the runner's batched cache) until
+it finishes. Every new token produces a `RequestOutput` holding the token ids and the text that became final with
+it (text that could still turn into a stop string is held back until it cannot).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from openflash.engine.sampling import SamplerState, SamplingParams, find_stop
+from openflash.errors import OpenflashError
+from openflash.model.cache import ModelCache
+
+
+class PromptTooLongError(OpenflashError):
+    """The prompt (plus the tokens asked for) does not fit in the context."""
+
+
+class MaxTokensError(OpenflashError):
+    """max_tokens does not fit in the context left after the prompt."""
+
+
+class QueueFullError(OpenflashError):
+    """Too many requests are waiting."""
+
+
+class EngineStoppedError(OpenflashError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, nothing computed
+    PREFILLING = "prefilling"  # some prompt chunks done (own cache)
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+# Finish reasons (the OpenAI names where one exists).
+STOP = "stop"  # a stop string, stop token id or the end-of-sequence token
+LENGTH = "length"  # max_tokens reached
+ABORT = "abort"  # cancelled by the client or by shutdown
+ERROR = "error"  # the engine failed on this request
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new token ids
+    text: str  # newly final text
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served by the prefix cache
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: SamplerState
+    eos_token_id: int | None = None  # stops the sequence unless ignore_eos
+    on_output: Callable[[RequestOutput], None] | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens whose state is in the cache
+    num_cached: int = 0  # of those, tokens restored from the prefix cache
+    cache: ModelCache | None = None  # own cache while prefilling (then owned by the runner's batch)
+    finish_reason: str | None = None
+    error: str | None = None
+    # Text bookkeeping: `text` is the decoded output so far, cut at a stop string; `sent` chars have been emitted.
+    text: str = ""
+    sent: int = 0
+    # Timestamps (time.perf_counter): arrival, each generated token, the end.
+    arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.error = reason, error
+        self.finish_time = time.perf_counter()
+
+    def append_token(self, token: int, decode: Callable[[list[int]], str], now: float) -> RequestOutput:
+        """Record a sampled token, apply the stop conditions, and return what became final."""
+        self.output_ids.append(token)
+        self.token_times.append(now)
+        p = self.params
+        if token in p.stop_token_ids or (self.eos_token_id is not None and token == self.eos_token_id):
+            self.text = decode(self.output_ids[:-1])
+            self.finish(STOP)
+        else:
+            self.text = decode(self.output_ids)
+            cut = find_stop(self.text, p.stop)
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.finish(STOP)
+            elif len(self.output_ids) >= p.max_tokens:
+                self.finish(LENGTH)
+        return self.emit([token])
+
+    def emit(self, token_ids: list[int]) -> RequestOutput:
+        """The output for this step: text that can no longer change."""
+        if self.finished:
+            final = len(self.text)
+        else:
+            # Hold back a tail that could still begin a stop string, and an incomplete UTF-8 character.
+            hold = max((len(s) for s in self.params.stop), default=1) - 1
+            final = len(self.text) - hold
+            while final > self.sent and self.text[final - 1] == "\ufffd":
+                final -= 1
+        new = self.text[self.sent:final] if final > self.sent else ""
+        self.sent = max(self.sent, final)
+        return RequestOutput(self.request_id, token_ids, new, self.finished, self.finish_reason, self.prompt_len,
+                             len(self.output_ids), self.num_cached, self.error)
+
+
+def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_context: int) -> None:
+    """Raise OpenflashError (PromptTooLongError, MaxTokensError for lengths) if the request cannot run."""
+    if not prompt_ids:
+        raise OpenflashError("the prompt is empty after tokenization")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenflashError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}): "
+                             f"wrong tokenizer for this model?")
+    if len(prompt_ids) >= max_context:
+        raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_context} "
+                                 f"(prompt plus at least one generated token)")
+    if len(prompt_ids) + params.max_tokens > max_context:
+        raise MaxTokensError(f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                                 f"exceeds the context of {max_context} tokens")
+
+
+def tokens_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([ids], dtype=torch.long, device=device)

@@ -1,0 +1,144 @@
+"""Turns a scheduled step into model calls.
+
+Prefill: one sequence at a time (`model.step` on its own one-row cache, chunk by chunk; bounded-replay prefill
+passes last_chunk=False on all but the last chunk). Decode: every running sequence together, one token each, on a
+batched cache whose rows may sit at different positions. The batched cache is kept across steps and regrouped only
+when the set of running sequences changes: rows of finished sequences are dropped at once (`remove`), sequences
+that finished their prefill are appended at the next decode. Regrouping copies the bounded per-row state (window
+rings, compressor open group, hash history) and only block tables of the global cache (engine/cache.py).
+
+With an Engram memory tier (`--engram-placement` host / disk), the hash ids of each chunk or decode step are
+computed from the token ids before the model runs, which starts fetching the rows (memory/placement.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from openflash.engine.cache import CacheFactory, concat_rows, release, select_rows
+from openflash.engine.request import Sequence
+from openflash.model.cache import ModelCache, ReplayBuffer
+from openflash.model.context import CompressedView, StepContext
+from openflash.model.transformer import Transformer
+
+PREFILL_MODES = ("bounded", "exact")
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, factory: CacheFactory, prefill_mode: str = "bounded",
+                 memory: Any = None, speculate_k: int = 0) -> None:
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
+        self.memory, self.speculate_k = memory, speculate_k
+        self.device = model.device
+        self.batch: ModelCache | None = None
+        self.batch_ids: list[str] = []  # request id of each batch row
+        self.regroups = 0
+
+    # ---- model calls ------------------------------------------------------------------------------------------
+    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool) -> torch.Tensor | None:
+        hash_ids = self.memory.prepare(ids, cache) if self.memory is not None else None
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, hash_ids=hash_ids)
+
+    def new_cache(self) -> ModelCache:
+        return self.factory.empty(1)
+
+    @torch.no_grad()
+    def prefill(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+        """Run prompt tokens [start, end) of seq on its own cache; logits [V] after the last chunk, else None."""
+        if seq.cache is None or seq.num_prefilled != start:
+            raise RuntimeError(f"request {seq.request_id}: prefill chunk [{start}, {end}) does not follow the "
+                               f"{seq.num_prefilled} tokens in its cache")
+        ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
+        last = end == seq.prompt_len
+        logits = self._step(ids, seq.cache, self.prefill_mode, last)
+        seq.num_prefilled = end
+        return None if logits is None else logits[0]
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """One token for each sequence (its last sampled token as input). Returns the sequences in batch-row
+        order and their logits [B, V]."""
+        self._regroup(seqs)
+        by_id = {s.request_id: s for s in seqs}
+        ordered = [by_id[r] for r in self.batch_ids]
+        tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
+        hash_ids = self.memory.prepare(tokens.unsqueeze(1), self.batch) if self.memory is not None else None
+        logits = self.model.decode(tokens, self.batch, hash_ids=hash_ids)
+        if self.memory is not None and self.speculate_k > 0:
+            self.memory.speculate(logits, self.batch, self.speculate_k)
+        return ordered, logits
+
+    # ---- batch membership ---------------------------------------------------------------------------------------
+    def _regroup(self, seqs: list[Sequence]) -> None:
+        wanted = {s.request_id for s in seqs}
+        if set(self.batch_ids) == wanted and len(self.batch_ids) == len(seqs):
+            return
+        self.remove([r for r in self.batch_ids if r not in wanted])
+        joining = [s for s in seqs if s.request_id not in set(self.batch_ids)]
+        parts = ([self.batch] if self.batch is not None else []) + [s.cache for s in joining]
+        if len(parts) > 1:
+            merged = concat_rows(parts)
+            for part in parts:
+                release(part)
+            self.batch = merged
+        else:
+            self.batch = parts[0]
+        self.batch_ids += [s.request_id for s in joining]
+        for s in joining:
+            s.cache = None  # the batch owns its state now
+        self.regroups += 1
+
+    def remove(self, request_ids: list[str]) -> None:
+        """Drop rows from the decode batch now (their KV blocks go back to the pool)."""
+        gone = set(request_ids) & set(self.batch_ids)
+        if not gone:
+            return
+        keep = [i for i, r in enumerate(self.batch_ids) if r not in gone]
+        old = self.batch
+        self.batch = select_rows(old, keep) if keep else None
+        release(old)
+        self.batch_ids = [self.batch_ids[i] for i in keep]
+
+    def free_own(self, seq: Sequence) -> None:
+        """Free the cache a sequence holds itself (while prefilling); its batch rows go with `remove`."""
+        if seq.cache is not None:
+            release(seq.cache)
+            seq.cache = None
+
+    # ---- prefix-cache replay ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def replay_prefix(self, cache: ModelCache, prompt_ids: list[int], num_tokens: int) -> None:
+        """Rebuild the bounded state after prompt_ids[:num_tokens] in a cache that holds only the global state
+        (compressed KV, empty windows): run the last `sliding_window` prefix tokens over the cached global KV.
+
+        Every owner layer's compressed view is published up front, so no compressor runs and the cached entries are
+        never rewritten; per-query visibility keeps the replay causal. In bounded mode only the encoder half runs
+        and its output becomes the pending decoder-half input, as a chunked bounded prefill would leave it.
+        (Uses the model's layer loop directly: the public `step` would recompress the replayed tokens.)
+        """
+        model, cfg = self.model, self.model.cfg
+        start = max(0, num_tokens - cfg.sliding_window)
+        ids = torch.tensor([prompt_ids[start:num_tokens]], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, num_tokens, device=self.device).unsqueeze(0)
+        hash_ids = None
+        if cfg.engram_layer_ids:
+            frontend = model.engram_frontend
+            history = cfg.engram_max_ngram_size - 1
+            before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=self.device)
+            state = frontend.hasher.empty_state(1, self.device)
+            if before.shape[1]:
+                _, state = frontend.hash(before, state)
+            hash_ids, cache.engram = frontend.hash(ids, state)
+        views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
+        ctx = StepContext(positions, model.numerics, cache=cache, compressed=views)
+        n_layers, split = len(model.layers), cfg.topology.decoder_start
+        bounded = self.prefill_mode == "bounded" and split < n_layers
+        residual, pre = model._streams(ids)
+        residual, pre = model._layers(residual, pre, range(split if bounded else n_layers), ctx, hash_ids, None)
+        if bounded:
+            cache.replay = ReplayBuffer(residual, pre, positions)
+        cache.pos = torch.tensor([num_tokens], dtype=torch.long, device=self.device)

@@ -1,0 +1,512 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) and `openflash serve`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one JSON body; both
+report `usage`), GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+
+The engine runs its own thread (engine/engine.py); a request handler submits one engine request per choice and
+waits on an asyncio queue that the engine thread feeds (loop.call_soon_threadsafe). A client that disconnects
+(closes a stream, or drops a pending non-streaming request) cancels its engine requests, which frees their state
+at the next engine step. Shutdown stops intake, lets running requests finish for a while, then aborts the rest.
+
+Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 malformed JSON or a prompt the
+model cannot take (empty, token ids outside the vocabulary), 404 unknown model or route, 413 prompt longer than the
+context, 422 invalid field values (the message and `param` name the field; max_tokens beyond the context left),
+429 queue full, 503 shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
+
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError,
+                                      QueueFullError, RequestOutput)
+from openflash.engine.sampling import SamplingParams
+from openflash.errors import OpenflashError
+from openflash.serve import metrics as prom
+from openflash.serve.chat_template import ChatTemplate
+from openflash.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
+                                      DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                      PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+
+log = logging.getLogger("openflash.serve")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    chat_template: ChatTemplate
+    default_max_tokens: int = 256  # chat requests without max_tokens: this, capped by the context left
+    drain_timeout: float = 10.0  # seconds running requests get to finish at shutdown
+    disconnect_poll: float = 0.25  # seconds between client-disconnect checks of non-streaming requests
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_tokens: int
+    prefix: str = ""  # echoed prompt text (completions)
+    echo_pending: bool = False  # streaming: the prefix still has to go out
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    done: bool = False
+
+
+class _Job:
+    """The engine requests of one HTTP request, and the queue their outputs arrive on."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.choices: list[_Choice] = []
+
+    def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "") -> None:
+        index = len(self.choices)
+
+        def deliver(out: RequestOutput) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+
+        seq = self.engine.add_request(ids, params, on_output=deliver, ignore_eos=ignore_eos)
+        self.choices.append(_Choice(index, seq.request_id, len(ids), prefix, bool(prefix), text=prefix))
+
+    def apply(self, index: int, out: RequestOutput) -> _Choice:
+        c = self.choices[index]
+        c.text += out.text
+        c.completion_tokens, c.cached_tokens = out.completion_tokens, out.cached_tokens
+        if out.finished:
+            c.done, c.finish_reason, c.error = True, out.finish_reason, out.error
+        return c
+
+    @property
+    def pending(self) -> int:
+        return sum(not c.done for c in self.choices)
+
+    def abort_unfinished(self) -> None:
+        for c in self.choices:
+            if not c.done:
+                self.engine.abort(c.request_id)
+
+    def usage(self, n: int) -> Usage:
+        prompt = sum(c.prompt_tokens for c in self.choices[::n])  # each prompt once, whatever n
+        completion = sum(c.completion_tokens for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices[::n])
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def failure(self) -> APIError | None:
+        for c in self.choices:
+            if c.finish_reason == ERROR:
+                return APIError(500, f"generation failed: {c.error}", "server_error", code="engine_error")
+        return None
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class OpenflashServer:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.max_context = engine.config.max_context
+
+    # ---- request -> engine ----------------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def sampling(self, body: Any, max_tokens: int, choice: int) -> SamplingParams:
+        seed = None if body.seed is None else body.seed + choice
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        params = SamplingParams(temperature=1.0 if body.temperature is None else float(body.temperature),
+                                top_p=1.0 if body.top_p is None else float(body.top_p), top_k=top_k,
+                                max_tokens=max_tokens, seed=seed, stop=body.stop_list(),
+                                stop_token_ids=tuple(body.stop_token_ids or ()))
+        try:
+            return params.validate()
+        except OpenflashError as exc:
+            field = str(exc).split()[0]
+            raise APIError(422, str(exc), param=field if field in SAMPLING_FIELDS else None,
+                           code="invalid_value") from None
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.cfg.vocab_size
+        if not ids:
+            raise APIError(400, f"{param} is empty after tokenization", param=param, code="empty_prompt")
+        if len(ids) >= self.max_context:
+            raise APIError(413, f"the prompt has {len(ids)} tokens but the context holds {self.max_context} "
+                                f"(prompt plus at least one generated token)", param=param,
+                           code="context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
+                           param=param, code="invalid_token")
+
+    def submit(self, job: _Job, ids: list[int], params: SamplingParams, ignore_eos: bool, param: str,
+               prefix: str = "") -> None:
+        try:
+            job.submit(ids, params, ignore_eos, prefix)
+        except PromptTooLongError as exc:
+            raise APIError(413, str(exc), param=param, code="context_length_exceeded") from None
+        except MaxTokensError as exc:
+            raise APIError(422, str(exc), param="max_tokens", code="invalid_value") from None
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc), "server_error", code="shutting_down") from None
+        except OpenflashError as exc:
+            field = str(exc).split()[0]
+            if field in SAMPLING_FIELDS:
+                raise APIError(422, str(exc), param=field, code="invalid_value") from None
+            raise APIError(400, str(exc), param=param) from None
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str):
+            return [self.tokenizer.encode(p).ids]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return [self.tokenizer.encode(x).ids if isinstance(x, str) else list(x) for x in p]
+
+    def chat_prompt(self, messages: list[Any]) -> list[int]:
+        try:
+            text = self.config.chat_template.render(messages)
+        except ValueError as exc:
+            raise APIError(422, str(exc), param="messages", code="invalid_value") from None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    # ---- waiting for results ------------------------------------------------------------------------------------
+    async def collect(self, job: _Job, request: Request) -> None:
+        """Wait until every choice finished; cancel them if the client goes away."""
+        poll = self.config.disconnect_poll
+        next_check = time.monotonic() + poll
+        try:
+            while job.pending:
+                try:
+                    index, out = await asyncio.wait_for(job.queue.get(), timeout=poll)
+                    job.apply(index, out)
+                except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + poll
+                    if await request.is_disconnected():
+                        log.info("client went away; cancelling %d request(s)", job.pending)
+                        job.abort_unfinished()
+                        return
+        finally:
+            if job.pending:
+                job.abort_unfinished()
+
+    async def events(self, job: _Job, chunk_of, usage_chunk) -> AsyncIterator[str]:
+        """SSE stream: one chunk per output with new text or a finish, then usage (if asked), then [DONE]."""
+        try:
+            while job.pending:
+                index, out = await job.queue.get()
+                choice = job.apply(index, out)
+                if choice.finish_reason == ERROR:
+                    err = ErrorInfo(message=f"generation failed: {choice.error}", type="server_error",
+                                    code="engine_error")
+                    yield _sse(ErrorResponse(error=err).model_dump_json())
+                    continue
+                if out.text or out.finished:
+                    yield _sse(chunk_of(choice, out))
+            if usage_chunk is not None:
+                yield _sse(usage_chunk())
+            yield _sse("[DONE]")
+        finally:  # normal end, or the client closed the stream (the generator is cancelled)
+            if job.pending:
+                log.info("stream closed early; cancelling %d request(s)", job.pending)
+                job.abort_unfinished()
+
+    # ---- endpoints --------------------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        prompts = self.completion_prompts(body)
+        for ids in prompts:
+            self.check_ids(ids, "prompt")
+        job, rid = _Job(self.engine), f"cmpl-{uuid.uuid4().hex}"
+        try:
+            for ids in prompts:
+                prefix = self.tokenizer.decode(ids) if body.echo else ""
+                for _ in range(body.n):
+                    params = self.sampling(body, body.max_tokens or 16, len(job.choices))
+                    self.submit(job, ids, params, body.ignore_eos, "prompt", prefix)
+        except APIError:
+            job.abort_unfinished()
+            raise
+        created, name = int(time.time()), self.config.model_name
+        if body.stream:
+            def chunk_of(choice: _Choice, out: RequestOutput) -> str:
+                text = out.text
+                if choice.echo_pending:
+                    choice.echo_pending, text = False, choice.prefix + text
+                ch = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason)
+                return CompletionResponse(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
+
+            def usage_chunk() -> str:
+                return CompletionResponse(id=rid, created=created, model=name, choices=[],
+                                          usage=job.usage(body.n)).model_dump_json()
+
+            return StreamingResponse(self.events(job, chunk_of, usage_chunk if body.include_usage() else None),
+                                     media_type="text/event-stream")
+        await self.collect(job, request)
+        if (err := job.failure()) is not None:
+            raise err
+        choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in job.choices]
+        return CompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        ids = self.chat_prompt(body.messages)
+        self.check_ids(ids, "messages")
+        requested = body.requested_max_tokens()
+        max_tokens = requested if requested is not None else \
+            max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
+        job, rid = _Job(self.engine), f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            for _ in range(body.n):
+                params = self.sampling(body, max_tokens, len(job.choices))
+                self.submit(job, ids, params, body.ignore_eos, "messages")
+        except APIError:
+            job.abort_unfinished()
+            raise
+        created, name = int(time.time()), self.config.model_name
+        if body.stream:
+            started: set[int] = set()
+
+            def chunk_of(choice: _Choice, out: RequestOutput) -> str:
+                delta = DeltaMessage(content=out.text)
+                if choice.index not in started:
+                    started.add(choice.index)
+                    delta.role = "assistant"
+                ch = ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason)
+                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
+
+            def usage_chunk() -> str:
+                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[],
+                                           usage=job.usage(body.n)).model_dump_json()
+
+            return StreamingResponse(self.events(job, chunk_of, usage_chunk if body.include_usage() else None),
+                                     media_type="text/event-stream")
+        await self.collect(job, request)
+        if (err := job.failure()) is not None:
+            raise err
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+                   for c in job.choices]
+        return ChatCompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if body.messages is not None:
+            ids = self.chat_prompt(body.messages)
+        else:
+            ids = self.tokenizer.encode(body.prompt).ids
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in body.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the tokenizer's vocabulary (0..{size - 1})",
+                           param="tokens", code="invalid_token")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The FastAPI application
+
+
+def _validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
+    errors = exc.errors()
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                            code="invalid_json")
+    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    # Union members add their type name to the location (e.g. prompt.str); keep the field path.
+    loc = [p for p in loc if p not in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "function-after")
+           and not p.startswith(("list[", "function-"))]
+    param = ".".join(loc) or None
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not loc and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        # No body, a body that is not JSON (sent without a JSON content type), or JSON that is not an object.
+        try:
+            json.loads(raw)
+        except ValueError as bad:
+            return APIError(400, f"malformed JSON body: {bad}", code="invalid_json")
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return APIError(422, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, manage_engine: bool = True) -> FastAPI:
+    """The app; with manage_engine it starts the engine thread at startup and shuts the engine down at exit."""
+    server = OpenflashServer(engine, tokenizer, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
+        yield
+        if manage_engine:
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, config.drain_timeout)
+
+    app = FastAPI(title="openflash", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, await request.body()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await server.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=config.model_name, max_model_len=server.max_context)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prom.render(engine), media_type=prom.CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return server.detokenize(body)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `openflash serve`
+
+
+DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
+
+
+def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path) -> Any:
+    """An Engram memory tier for --engram-placement other than device (memory/placement.py). The disk tier reads
+    `<model folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
+    from openflash.memory.placement import EngramMemory
+    from openflash.memory.tables import table_file_name, write_table_file
+
+    if placement == "sharded":
+        raise OpenflashError("--engram-placement sharded needs a torch.distributed group of ranks; `openflash serve` "
+                             "runs one process (use host or disk)")
+    cfg = model.cfg
+    for lid in cfg.engram_layer_ids:
+        engram = model.layers[lid].engram
+        if engram.embed.storage != "fp8":  # host and disk tiers hold FP8 rows (checkpoint row format)
+            log.info("Engram layer %d: quantizing its fp32 table to FP8 rows for the %s tier", lid, placement)
+            engram.embed = engram.embed.to_fp8()
+    if placement != "disk":
+        return EngramMemory.attach(model, placement)
+    folder = Path(model_arg) / "engram_tables"
+    if not folder.is_dir():
+        folder = scratch
+        fingerprint = model.engram_frontend.layout.layout_fingerprint()
+        for lid in cfg.engram_layer_ids:
+            embed = model.layers[lid].engram.embed
+            write_table_file(folder / table_file_name(lid), embed.weight.detach(), embed.scale.detach(), fingerprint)
+        log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
+    return EngramMemory.attach(model, "disk", table_dir=str(folder), cache_bytes=DISK_ROW_CACHE_BYTES)
+
+
+def cli_serve(args: Any) -> int:
+    import uvicorn
+
+    from openflash.config import PRESETS
+    from openflash.engine.generate import load_for_inference
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_batch < 1 or args.max_context < 2:
+        raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
+                             f"{args.max_context})")
+    model, tokenizer, note = load_for_inference(args.model, args.tokenizer)
+    if args.model in PRESETS:
+        log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
+    else:
+        log.info("loaded %s: %s", args.model, note)
+    scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
+    memory = _attach_engram(model, args.engram_placement, args.model, Path(scratch.name)) \
+        if args.engram_placement != "device" else None
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_batch=args.max_batch, max_context=args.max_context,
+                                                      prefill_mode=args.prefill_mode,
+                                                      engram_speculate=4 if memory is not None else 0), memory)
+    name = args.model if args.model in PRESETS else Path(args.model).resolve().name
+    template = ChatTemplate.for_tokenizer(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    config = ServerConfig(model_name=name, chat_template=template)
+    app = build_app(engine, tokenizer, config)
+    stats = engine.stats()
+    log.info("model %r: max batch %d, context %d, prefill %s, global cache %.0f B/token (%s), Engram %s",
+             name, args.max_batch, args.max_context, args.prefill_mode, stats["global_cache_bytes_per_token"],
+             stats["kv_storage"], args.engram_placement)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=int(config.drain_timeout))
+    if memory is not None:
+        memory.close()
+    scratch.cleanup()
+    return 0

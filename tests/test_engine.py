@@ -1,0 +1,319 @@
+"""The serving engine: paged cache, packed formats, scheduling, batched decode vs sequential, stops, aborts.
+
+The tiny preset with random weights; equality tests run the "plain" numerics (no quantization), because batched and
+single-row matmuls differ in the last bits on CPU and an FP8 rounding flip would turn that into a different token
+(see the engine report); the packed-format test runs the default fp32 numerics, where the cache QDQs happen.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from openflash import formats
+from openflash.config import load_config
+from openflash.engine.cache import BlockPool, CacheFactory, EntryLayout, concat_rows, encode_kv_exact, release, \
+    select_rows
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.generate import generate, load_for_inference
+from openflash.engine.request import (ABORT, LENGTH, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
+                                      QueueFullError, Sequence, SequenceStatus)
+from openflash.engine.sampling import SamplerState, SamplingParams
+from openflash.engine.scheduler import Scheduler, SchedulerConfig
+from openflash.errors import OpenflashError
+from openflash.model.cache import ModelCache
+from openflash.model.numerics import NUMERICS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model is bound by per-op overhead; one intra-op thread is as fast and does not collapse when the
+    machine is shared (OpenMP threads spinning against other processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok, _ = load_for_inference("tiny", numerics="plain")
+    return model, tok
+
+
+@pytest.fixture
+def plain(tiny):
+    model, tok = tiny
+    model.set_numerics(NUMERICS["plain"])
+    return model, tok
+
+
+def prompts(n: int, lo: int = 5, hi: int = 70, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, 1000, (k,), generator=g).tolist() for k in lengths]
+
+
+def sequential(model, tok, ps, params):
+    return [generate(model, tok, p, params).token_ids for p in ps]
+
+
+# ---- cache -------------------------------------------------------------------------------------------------------
+
+
+def test_paged_cache_matches_dense_and_frees_blocks(plain):
+    model, _ = plain
+    factory = CacheFactory.create(model.cfg, "fp32", block_size=4)
+    ps = prompts(3, 20, 40, seed=1)
+    dense, paged = [], []
+    for p in ps:
+        d, q = model.new_cache(1), factory.empty(1)
+        for i in range(0, len(p), 7):  # chunked prefill across compressor groups and blocks
+            chunk = torch.tensor([p[i:i + 7]])
+            last = i + 7 >= len(p)
+            ld = model.step(chunk, d, mode="bounded", last_chunk=last)
+            lq = model.step(chunk, q, mode="bounded", last_chunk=last)
+        assert torch.equal(ld, lq)
+        dense.append(d)
+        paged.append(q)
+    d_batch, q_batch = ModelCache.concat(dense), concat_rows(paged)
+    for q in paged:
+        release(q)
+    tokens = torch.tensor([7, 8, 9])
+    for _ in range(6):
+        ld, lq = model.decode(tokens, d_batch), model.decode(tokens, q_batch)
+        assert torch.equal(ld, lq)
+        tokens = ld.argmax(-1)
+    # Regroup (drop the middle row) and keep decoding: still identical.
+    d_two, q_two = d_batch.select([0, 2]), select_rows(q_batch, [0, 2])
+    release(q_batch)
+    ld, lq = model.decode(tokens[[0, 2]], d_two), model.decode(tokens[[0, 2]], q_two)
+    assert torch.equal(ld, lq)
+    assert factory.pool.blocks_in_use > 0
+    release(q_two)
+    assert factory.pool.blocks_in_use == 0
+
+
+def test_block_pool_copy_on_write_and_growth():
+    cfg = load_config("tiny")
+    pool = BlockPool(EntryLayout(cfg.head_dim, cfg.index_head_dim, "fp32"), block_size=2, initial_blocks=2)
+    factory = CacheFactory(cfg, pool)
+    a = factory.empty(1)
+    c = a.compressed[4]  # ratio-1 owner layer of the tiny preset
+    kv, ik = torch.randn(5, cfg.head_dim), torch.randn(5, cfg.index_head_dim)
+    c.write(torch.zeros(5, dtype=torch.long), torch.arange(5), kv, ik)  # grows the pool past 2 blocks
+    assert pool.num_blocks > 2 and c.blocks_per_row() == [3]
+    b = select_rows(a, [0])  # shares a's blocks
+    shared = int(b.compressed[4].table[0, 2])
+    b.compressed[4].write(torch.tensor([0]), torch.tensor([5]), torch.ones(1, cfg.head_dim),
+                          torch.ones(1, cfg.index_head_dim))
+    assert int(b.compressed[4].table[0, 2]) != shared  # b copied the block before appending
+    kv_a, _ = c.read(6)
+    assert torch.equal(kv_a[0, :5], kv) and torch.equal(kv_a[0, 5], torch.zeros(cfg.head_dim))
+    kv_b, _ = b.compressed[4].read(6)
+    assert torch.equal(kv_b[0, :5], kv) and torch.equal(kv_b[0, 5], torch.ones(cfg.head_dim))
+    release(a)
+    release(b)
+    assert pool.blocks_in_use == 0
+
+
+def test_encode_kv_exact_round_trips_qdq_values():
+    torch.manual_seed(0)
+    # Magnitudes around the E4M3 subnormal scales, where the plain encoder can pick a smaller scale.
+    x = torch.randn(3000, 64) * torch.logspace(-3, 0, 3000).unsqueeze(1)
+    v = formats.fp4_qdq_e4m3(x)
+    plain = formats.decode_kv_fp4(*formats.encode_kv_fp4(v))
+    assert not torch.equal(plain, v)  # the case the exact encoder exists for
+    packed, scales = encode_kv_exact(v.clone())
+    assert torch.equal(formats.decode_kv_fp4(packed, scales), v)
+
+
+def test_global_cache_bytes_per_token_at_released_dims():
+    cfg = load_config("flash")
+    packed = CacheFactory(cfg, BlockPool(EntryLayout(cfg.head_dim, cfg.index_head_dim, "packed"), initial_blocks=2),
+                          "packed")
+    fp32 = CacheFactory(cfg, BlockPool(EntryLayout(cfg.head_dim, cfg.index_head_dim, "fp32"), initial_blocks=2))
+    assert packed.global_bytes_per_token() == 890  # quant_and_cache.md §6.1
+    assert fp32.global_bytes_per_token() == 3 * (512 + 128) * 4 / 2 + (512 + 128) * 4
+    assert packed.window_bytes_per_sequence() == len(cfg.topology.layers) * 128 * 528
+
+
+def test_packed_storage_gives_identical_outputs(tiny):
+    model, tok = tiny
+    model.set_numerics(NUMERICS["fp32"])  # cache QDQ on: the packed formats hold exactly these values
+    try:
+        ps, params = prompts(6, seed=2), SamplingParams(max_tokens=6)
+        outs = {}
+        for storage in ("fp32", "packed"):
+            engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, kv_storage=storage,
+                                                        prefix_cache=False))
+            outs[storage] = [s.output_ids for s in engine.generate(ps, params)]
+            assert engine.factory.pool.blocks_in_use == 0
+        assert outs["fp32"] == outs["packed"]
+    finally:
+        model.set_numerics(NUMERICS["plain"])
+    with pytest.raises(OpenflashError, match="cache QDQ"):
+        LLMEngine(model, tok, EngineConfig(kv_storage="packed"))
+
+
+# ---- scheduling and batching -------------------------------------------------------------------------------------
+
+
+def _seq(n: int, rid: str) -> Sequence:
+    params = SamplingParams(max_tokens=4)
+    return Sequence(rid, list(range(3, 3 + n)), params, SamplerState.create(params))
+
+
+def test_scheduler_chunks_budget_and_batch_limit():
+    admitted = []
+
+    def admit(seq):
+        admitted.append(seq.request_id)
+        return True
+
+    s = Scheduler(SchedulerConfig(max_batch=2, max_step_tokens=18, prefill_chunk=8, max_waiting=3), admit)
+    for i, n in enumerate((19, 5, 6)):
+        s.add(_seq(n, f"r{i}"))
+    with pytest.raises(QueueFullError, match="queue is full"):
+        s.add(_seq(3, "r3"))
+    plan = s.schedule()
+    # r0: aligned chunks [0,8) [8,16) fit the 18-token budget, [16,19) does not; r1 is not admitted yet (2 < 5).
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefills] == [("r0", 0, 8), ("r0", 8, 16)]
+    assert admitted == ["r0"]
+    for c in plan.prefills:
+        c.seq.num_prefilled = c.end
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefills] == [("r0", 16, 19), ("r1", 0, 5)]
+    assert admitted == ["r0", "r1"]  # max_batch 2: r2 waits
+    for c in plan.prefills:
+        c.seq.num_prefilled = c.end
+        s.promote(c.seq)
+    plan = s.schedule()
+    assert [q.request_id for q in plan.decodes] == ["r0", "r1"] and not plan.prefills
+    s.remove(plan.decodes[0])
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefills] == [("r2", 0, 6)]
+    assert plan.decodes[0].status == SequenceStatus.RUNNING
+
+
+def test_batched_greedy_equals_sequential(plain):
+    model, tok = plain
+    ps = prompts(12, 1, 60, seed=3) + [[7]]  # a one-token prompt: no compressed entry yet
+    params = SamplingParams(max_tokens=8)
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=5, prefill_chunk=16, max_step_tokens=40,
+                                                prefix_cache=False))
+    seqs = engine.generate(ps, params, ignore_eos=True)
+    assert [s.output_ids for s in seqs] == sequential(model, tok, ps, params)
+    assert engine.runner.regroups > 1  # the batch really changed membership
+    assert engine.factory.pool.blocks_in_use == 0 and engine.runner.batch is None
+
+
+def test_seeded_sampling_is_independent_of_the_batch(plain):
+    model, tok = plain
+    ps = prompts(5, seed=4)
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=6, seed=100 + i) for i in range(5)]
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=5, prefix_cache=False))
+    seqs = engine.generate(ps, params)
+    assert [s.output_ids for s in seqs] == [generate(model, tok, p, sp).token_ids for p, sp in zip(ps, params)]
+
+
+def test_stop_strings_stop_ids_and_length(plain):
+    model, tok = plain
+    p = prompts(1, 20, 21, seed=5)[0]
+    ref = generate(model, tok, p, SamplingParams(max_tokens=10))
+    engine = LLMEngine(model, tok, EngineConfig(prefix_cache=False))
+    (full,) = engine.generate([p], SamplingParams(max_tokens=10), ignore_eos=True)
+    assert full.output_ids == ref.token_ids and full.finish_reason == LENGTH and full.text == ref.text
+    # A stop token id: generation ends with it, and its text is not part of the output.
+    stop_id = ref.token_ids[3]
+    (s,) = engine.generate([p], SamplingParams(max_tokens=10, stop_token_ids=(stop_id,)))
+    k = ref.token_ids.index(stop_id)
+    assert s.output_ids == ref.token_ids[:k + 1] and s.finish_reason == STOP
+    assert s.text == tok.decode(ref.token_ids[:k])
+    # A stop string cut from the middle of the reference text; streamed pieces never contain it.
+    text = ref.text
+    start = len(text) // 2
+    stop = text[start:start + 2]
+    pieces = []
+    engine.add_request(p, SamplingParams(max_tokens=10, stop=(stop,)), on_output=lambda o: pieces.append(o))
+    while engine.has_work():
+        engine.step()
+    assert pieces[-1].finished and pieces[-1].finish_reason == STOP
+    streamed = "".join(o.text for o in pieces)
+    assert streamed == text[:text.find(stop)]
+    assert sum(len(o.token_ids) for o in pieces) == pieces[-1].completion_tokens
+
+
+def test_request_validation(plain):
+    model, tok = plain
+    engine = LLMEngine(model, tok, EngineConfig(max_context=64, max_waiting=2, prefix_cache=False))
+    with pytest.raises(PromptTooLongError, match="64"):
+        engine.add_request(list(range(3, 70)), SamplingParams(max_tokens=1))
+    with pytest.raises(MaxTokensError, match="max_tokens 20"):
+        engine.add_request(list(range(3, 50)), SamplingParams(max_tokens=20))
+    with pytest.raises(OpenflashError, match="temperature"):
+        engine.add_request([5], SamplingParams(temperature=-1))
+    with pytest.raises(OpenflashError, match="vocabulary"):
+        engine.add_request([5, 5000], SamplingParams(max_tokens=1))
+    engine.add_request([5], SamplingParams(max_tokens=1))
+    engine.add_request([6], SamplingParams(max_tokens=1))
+    with pytest.raises(QueueFullError):
+        engine.add_request([7], SamplingParams(max_tokens=1))
+
+
+def test_abort_frees_state_and_shutdown_drains(plain):
+    model, tok = plain
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+    outs: dict[str, list] = {}
+
+    def collect(o):
+        outs.setdefault(o.request_id, []).append(o)
+
+    long = [engine.add_request(p, SamplingParams(max_tokens=500), on_output=collect, ignore_eos=True)
+            for p in prompts(3, 30, 40, seed=6)]
+    for _ in range(4):
+        engine.step()
+    assert engine.factory.pool.blocks_in_use > 0
+    for s in long:
+        engine.abort(s.request_id)
+    engine.step()
+    assert all(outs[s.request_id][-1].finish_reason == ABORT for s in long)
+    assert engine.factory.pool.blocks_in_use == 0 and not engine.has_work()
+    # Background loop: a short request drains, a long one is aborted at the deadline, then intake is closed.
+    engine.start()
+    short = engine.add_request(prompts(1, seed=7)[0], SamplingParams(max_tokens=3), on_output=collect)
+    slow = engine.add_request(prompts(1, seed=8)[0], SamplingParams(max_tokens=500), on_output=collect,
+                              ignore_eos=True)
+    time.sleep(0.05)
+    engine.shutdown(drain_timeout=1.0)
+    assert outs[short.request_id][-1].finish_reason == LENGTH
+    assert outs[slow.request_id][-1].finish_reason == ABORT
+    assert engine.factory.pool.blocks_in_use == 0
+    with pytest.raises(EngineStoppedError):
+        engine.add_request([5], SamplingParams())
+
+
+def test_engram_host_tier_gives_identical_outputs():
+    """--engram-placement host: hash ids computed from token ids before each step, rows fetched by the memory tier."""
+    from openflash.memory.placement import EngramMemory
+
+    models = []
+    for _ in range(2):
+        model, tok, _ = load_for_inference("tiny", numerics="plain")
+        for lid in model.cfg.engram_layer_ids:  # the host tier holds FP8 rows; give both models the same tables
+            model.layers[lid].engram.embed = model.layers[lid].engram.embed.to_fp8()
+        models.append(model)
+    memory = EngramMemory.attach(models[1], "host")
+    try:
+        ps, params = prompts(4, seed=9), SamplingParams(max_tokens=5)
+        config = EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False)
+        want = [s.output_ids for s in LLMEngine(models[0], tok, config).generate(ps, params)]
+        engine = LLMEngine(models[1], tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False,
+                                                        engram_speculate=2), memory)
+        assert [s.output_ids for s in engine.generate(ps, params)] == want
+        stats = engine.stats()["engram"]
+        assert stats["placement"] == "host" and stats["steps"] > 0 and stats["speculation"]["speculations"] > 0
+    finally:
+        memory.close()

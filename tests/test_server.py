@@ -1,0 +1,361 @@
+"""The OpenAI-compatible server, driven live on 127.0.0.1 with the official `openai` client.
+
+The tiny preset (random weights, "plain" numerics for exact equality) with a 1024-token BPE tokenizer trained on
+a few stdlib files here, so that text prompts and chat messages map to ids the model has.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from starlette.testclient import TestClient
+
+from openflash.config import load_config
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.generate import generate
+from openflash.engine.sampling import SamplingParams
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import build_compressed_token_map
+from openflash.model.numerics import NUMERICS
+from openflash.model.transformer import Transformer
+from openflash.serve.app import ServerConfig, build_app
+from openflash.serve.chat_template import ChatTemplate
+from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
+
+CORPUS = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "bisect.py")
+MAX_CONTEXT = 256
+NAME = "tiny-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn on a free port in a background thread."""
+
+    def __init__(self, app, graceful: float = 5.0) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=graceful))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model is bound by per-op overhead; one intra-op thread is as fast and does not collapse when the
+    machine is shared (OpenMP threads spinning against other processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    old_cache = os.environ.get("OPENFLASH_CACHE")
+    os.environ["OPENFLASH_CACHE"] = str(tmp / "cache")  # token maps are cached there, not in ~/.cache
+    try:
+        tok = train_bpe_tokenizer([stdlib_source_dir() / f for f in CORPUS], 1024, tmp / "tokenizer.json")
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        token_map = build_compressed_token_map(tok, vocab)
+        cfg = load_config("tiny").replace(vocab_size=vocab, engram_compressed_vocab_size=int(token_map.max()) + 1,
+                                          image_token_id=None)
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.attach_engram_frontend(EngramFrontend.for_config(cfg, tok))
+        model.set_numerics(NUMERICS["plain"]).eval()
+        yield model, tok
+    finally:
+        if old_cache is None:
+            os.environ.pop("OPENFLASH_CACHE", None)
+        else:
+            os.environ["OPENFLASH_CACHE"] = old_cache
+
+
+def make_app(model, tok, **engine_kw):
+    config = dict(max_batch=32, max_context=MAX_CONTEXT, prefill_chunk=32, max_step_tokens=256)
+    engine = LLMEngine(model, tok, EngineConfig(**{**config, **engine_kw}))
+    template = ChatTemplate.for_tokenizer(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    return engine, build_app(engine, tok, ServerConfig(NAME, template, drain_timeout=2.0))
+
+
+@pytest.fixture(scope="module")
+def live(stack):
+    model, tok = stack
+    engine, app = make_app(model, tok)
+    with LiveServer(app) as server:
+        yield server, engine
+    assert not engine.accepting and not engine.has_work()  # shut down with the server
+
+
+def idle(engine: LLMEngine, timeout: float = 30.0) -> bool:
+    """Wait until nothing runs and the only KV blocks in use are the prefix cache's."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = len(engine.prefix_cache.block_refs) if engine.prefix_cache is not None else 0
+        if not engine.has_work() and engine.runner.batch is None and engine.factory.pool.blocks_in_use == held:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def reference(model, tok, prompt, max_tokens: int) -> str:
+    return generate(model, tok, prompt, SamplingParams(max_tokens=max_tokens)).text
+
+
+# ---- completions and chat ----------------------------------------------------------------------------------------
+
+
+def test_completions_stream_equals_nonstream_equals_sequential(live, stack):
+    server, engine = live
+    model, tok = stack
+    client = server.client()
+    prompt = "def split(self, text):\n    "
+    full = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    want = reference(model, tok, prompt, 8)
+    assert full.choices[0].text == want
+    n_prompt = len(tok.encode(prompt).ids)
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.total_tokens == n_prompt + full.usage.completion_tokens
+    assert full.choices[0].finish_reason in ("length", "stop")
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    # Token-id prompts, n choices, echo.
+    ids = tok.encode("import re").ids
+    multi = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, n=2, echo=True)
+    assert [c.index for c in multi.choices] == [0, 1]
+    assert multi.choices[0].text == multi.choices[1].text == "import re" + reference(model, tok, ids, 3)
+    assert multi.usage.prompt_tokens == len(ids)
+
+
+def test_chat_stream_and_nonstream(live, stack):
+    server, engine = live
+    model, tok = stack
+    client = server.client()
+    messages = [{"role": "system", "content": "You wrap text."}, {"role": "user", "content": "Wrap this line."}]
+    full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    template = ChatTemplate.for_tokenizer(tok, 0, 1)
+    assert template.bos == "<|bos|>" and template.eos == "<|eos|>"
+    rendered = "<|bos|>You wrap text.<｜User｜>Wrap this line.<｜Assistant｜>"
+    ids = tok.encode(rendered, add_special_tokens=False).ids
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == reference(model, tok, ids, 6)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    # Seeded sampling is reproducible.
+    a, b = (client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0.9,
+                                           seed=7).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_models_health_tokenize_detokenize_metrics(live, stack):
+    server, engine = live
+    _, tok = stack
+    client = server.client()
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "import os"}).json()
+    assert r["tokens"] == tok.encode("import os").ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_CONTEXT
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.encode("<|bos|><｜User｜>hi<｜Assistant｜>", add_special_tokens=False).ids
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "import os"}
+    client.completions.create(model=NAME, prompt="x = 1", max_tokens=2, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("openflash_time_to_first_token_seconds_bucket", "openflash_inter_token_latency_seconds_count",
+                 "openflash_num_requests_waiting", "openflash_num_requests_running", "openflash_kv_blocks_in_use",
+                 "openflash_prefix_cache_hit_rate", "openflash_generation_tokens_per_second",
+                 "openflash_generation_tokens_total", 'openflash_requests_finished_total{reason="length"}'):
+        assert name in text, name
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_error_responses(live):
+    server, engine = live
+    url = server.url
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-test", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+    r = httpx.post(url + "/v1/completions", content=b"not json")
+    assert r.status_code == 400 and "malformed JSON" in _error(r)["message"]
+    r = httpx.post(url + "/v1/nothing", json={})
+    assert r.status_code == 404
+    client = server.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.body["param"] == "model" and "tiny-test" in e.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=NAME, prompt=[5] * 300, max_tokens=1)
+    assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
+    cases = [
+        (dict(prompt="x", max_tokens=MAX_CONTEXT), "max_tokens"),  # more than the context left
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", temperature=3), "temperature"),
+        (dict(prompt="x", top_p=0), "top_p"),
+        (dict(prompt="x", n=0), "n"),
+        (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+        (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(prompt="x", extra_body={"top_k": -5}), "top_k"),
+        (dict(prompt="x", seed=-1), "seed"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            client.completions.create(model=NAME, **kwargs)
+        assert e.value.body["param"] == field and field in e.value.body["message"], (kwargs, e.value.body)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"].startswith("messages")
+    r = httpx.post(url + "/detokenize", json={"tokens": [5, 99999]})
+    assert r.status_code == 400 and _error(r)["param"] == "tokens"
+    assert idle(engine)
+
+
+def test_queue_full_is_429(stack):
+    model, tok = stack
+    engine, app = make_app(model, tok, max_waiting=1)
+    client = TestClient(app)  # no lifespan: the engine thread never starts, so the queue stays full
+    engine.add_request([5, 6], SamplingParams(max_tokens=1))
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 429
+    err = _error(r)
+    assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+
+
+# ---- cancellation, concurrency, shutdown -------------------------------------------------------------------------
+
+
+def test_client_disconnect_cancels_the_sequence(live):
+    server, engine = live
+    aborted = engine.metrics.requests_finished["abort"]
+    client = server.client()
+    stream = client.completions.create(model=NAME, prompt="while True:", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    assert idle(engine), engine.stats()
+    assert engine.metrics.requests_finished["abort"] == aborted + 1
+    # A non-streaming request whose client gives up is cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"model": NAME, "prompt": "for x in y:", "max_tokens": 200, "ignore_eos": True})
+    assert idle(engine), engine.stats()
+    assert engine.metrics.requests_finished["abort"] == aborted + 2
+
+
+def test_32_concurrent_requests_equal_sequential(live, stack):
+    server, engine = live
+    model, tok = stack
+    words = ["def", "class", "import", "return", "while", "lambda", "yield", "with"]
+    prompts = [f"{words[i % 8]} {words[(i * 3) % 8]}_{i}(" for i in range(32)]
+    client = server.client()
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(ask, prompts))
+    assert got == [reference(model, tok, p, 4) for p in prompts]
+    assert idle(engine)
+
+
+def test_shutdown_aborts_what_does_not_drain(stack):
+    model, tok = stack
+    engine, app = make_app(model, tok)
+    with LiveServer(app, graceful=0.5) as server:
+        stream = server.client().completions.create(model=NAME, prompt="x", max_tokens=200, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        server.server.should_exit = True
+        with pytest.raises(Exception):  # the connection is closed before the 200 tokens
+            for chunk in stream:
+                assert chunk.choices[0].finish_reason is None
+        server.thread.join(timeout=30)
+    assert not engine.accepting and not engine.has_work()
+    assert engine.metrics.requests_finished["abort"] == 1 and engine.factory.pool.blocks_in_use == 0
+
+
+def test_openflash_serve_command(tmp_path):
+    """`openflash serve --model tiny`: a preset with random weights (logged as such), served until SIGINT."""
+    port = free_port()
+    env = {**os.environ, "OPENFLASH_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "openflash.cli", "serve", "--model", "tiny", "--port", str(port),
+           "--max-batch", "4", "--max-context", "128"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "openflash serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, log
+    assert "RANDOM weights" in log
