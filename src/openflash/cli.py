@@ -159,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
     serve.add_argument("--engram-speculate", type=int, default=0,
                        help="speculatively prefetch the rows of the top-K next tokens (0 = off)")
+    serve.add_argument("--kv-storage", default="fp32", choices=["fp32", "packed"],
+                       help="global KV storage: fp32 values, or the real packed formats (FP4/MXFP4/FP8)")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    serve.add_argument("--prefix-cache-dir", default=None, help="persist the prefix cache here across restarts")
+    serve.add_argument("--prefix-restore", default="snapshot", choices=["snapshot", "replay"],
+                       help="restore window state from a snapshot (exact) or by replaying the last window tokens")
+    serve.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
+    serve.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one engine step")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    serve.add_argument("--numerics", default="fp32", choices=["fp32", "plain"],
+                       help="fp32: the model's FP8/FP4 quantization points; plain: no quantization")
 
     plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")

@@ -447,7 +447,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
 
 
-def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path) -> Any:
+def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
+                   cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4) -> Any:
     """An Engram memory tier for --engram-placement other than device (memory/placement.py). The disk tier reads
     `<model folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
     from openflash.memory.placement import EngramMemory
@@ -464,7 +465,9 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path) ->
             engram.embed = engram.embed.to_fp8()
     if placement != "disk":
         return EngramMemory.attach(model, placement)
-    folder = Path(model_arg) / "engram_tables"
+    folder = Path(table_dir) if table_dir else Path(model_arg) / "engram_tables"
+    if table_dir and not folder.is_dir():
+        raise OpenflashError(f"--engram-table-dir {table_dir}: not a folder (write one with `openflash engram export`)")
     if not folder.is_dir():
         folder = scratch
         fingerprint = model.engram_frontend.layout.layout_fingerprint()
@@ -472,7 +475,7 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path) ->
             embed = model.layers[lid].engram.embed
             write_table_file(folder / table_file_name(lid), embed.weight.detach(), embed.scale.detach(), fingerprint)
         log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
-    return EngramMemory.attach(model, "disk", table_dir=str(folder), cache_bytes=DISK_ROW_CACHE_BYTES)
+    return EngramMemory.attach(model, "disk", table_dir=str(folder), cache_bytes=cache_bytes, io_threads=io_threads)
 
 
 def cli_serve(args: Any) -> int:
@@ -485,17 +488,20 @@ def cli_serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    model, tokenizer, note = load_for_inference(args.model, args.tokenizer)
+    model, tokenizer, note = load_for_inference(args.model, args.tokenizer, numerics=args.numerics)
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:
         log.info("loaded %s: %s", args.model, note)
     scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-    memory = _attach_engram(model, args.engram_placement, args.model, Path(scratch.name)) \
+    memory = _attach_engram(model, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
+                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads) \
         if args.engram_placement != "device" else None
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_batch=args.max_batch, max_context=args.max_context,
-                                                      prefill_mode=args.prefill_mode,
-                                                      engram_speculate=4 if memory is not None else 0), memory)
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
+        kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
+        prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
+        max_waiting=args.max_waiting, engram_speculate=args.engram_speculate if memory is not None else 0), memory)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     template = ChatTemplate.for_tokenizer(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id)
     config = ServerConfig(model_name=name, chat_template=template)
