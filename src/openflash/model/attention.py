@@ -105,6 +105,91 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torc
     return round_fn(acc / denom.unsqueeze(-1)), pc / denom.unsqueeze(-1)
 
 
+class _DenseSinkAttention(torch.autograd.Function):
+    """Softmax attention of q [B,S,H,D] over keys kv [B,N,D] (K = V) under a mask [B,S,N], plus a per-head sink
+    logit that only adds to the denominator; returns the output and the probabilities [B,S,H,N].
+
+    The sink is a zero key/value row appended to kv whose logit is overwritten with the sink, so one softmax
+    kernel handles it. Backward: dz = softmax_backward(do kv^T, p); dq = scale dz kv; dkv = scale dz^T q + p^T do;
+    dsink = the sink column of dz summed over batch and queries.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float):
+        B, S, H, D = q.shape
+        N = kv.shape[1]
+        kv_ext = torch.cat((kv, kv.new_zeros(B, 1, D)), dim=1)
+        qs = (q * scale).reshape(B, S * H, D)
+        z = torch.bmm(qs, kv_ext.transpose(1, 2)).view(B, S, H, N + 1)
+        z[..., N] = sink.to(z.dtype)
+        z[..., :N].masked_fill_(~mask.unsqueeze(2), float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        o = torch.bmm(p.view(B, S * H, N + 1), kv_ext).view(B, S, H, D)
+        ctx.save_for_backward(qs, kv_ext, p)
+        ctx.scale = scale
+        probs = p[..., :N]
+        ctx.mark_non_differentiable(probs)
+        return o, probs
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor, _unused: torch.Tensor):
+        qs, kv_ext, p = ctx.saved_tensors
+        B, S, H, n1 = p.shape
+        D = kv_ext.shape[-1]
+        do = do.reshape(B, S * H, D)
+        p = p.view(B, S * H, n1)
+        dp = torch.bmm(do, kv_ext.transpose(1, 2))
+        dz = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        d_sink = dz[..., n1 - 1].reshape(B, S, H).sum(dim=(0, 1))
+        dq = torch.bmm(dz, kv_ext).mul_(ctx.scale).view(B, S, H, D)
+        # qs already carries the scale, so dz^T qs is the key part of dkv; p^T do is the value part.
+        d_kv = torch.bmm(dz.transpose(1, 2), qs).add_(torch.bmm(p.transpose(1, 2), do))
+        return dq, d_kv[:, : n1 - 1], None, d_sink, None
+
+
+def dense_sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: int, compressed_kv: torch.Tensor,
+                           picks: torch.Tensor | None, sink: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention` for a training forward (positions 0..S-1; same math, fused), returning
+    (output [B,S,H,D], probabilities of the picked entries [B,S,H,K], 0 where picks is -1).
+
+    q [B,S,H,D]; kv [B,S,D] the window keys/values of the same positions; compressed_kv [B,T,D]; picks [B,S,K].
+    Queries go in blocks of `window`: a block's window keys all lie in its own and the previous block, so each
+    block scores 2*window window keys plus every compressed entry (masked to its picks) with large matmuls,
+    instead of gathering each query's entries.
+    """
+    B, S, H, D = q.shape
+    W, T = window, compressed_kv.shape[1]
+    nb = -(-S // W)
+    pad = nb * W - S
+    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B * nb, W, H, D)
+    # Block b's keys are positions [bW - W, bW + W): W zero rows in front, then one unfold.
+    keys = F.pad(kv, (0, 0, W, pad)).unfold(1, 2 * W, W).transpose(2, 3).reshape(B * nb, 2 * W, D)
+    i = torch.arange(W, device=q.device).unsqueeze(1)
+    j = torch.arange(2 * W, device=q.device)
+    band = (j > i) & (j <= i + W)  # key position bW - W + j within (p - W, p] of query p = bW + i
+    mask = band.expand(B, nb, W, 2 * W).clone()
+    mask[:, 0] &= j >= W  # block 0: nothing before position 0
+    mask = mask.view(B * nb, W, 2 * W)
+    if picks is not None and T > 0:
+        # Picked-entry mask: -1 picks land in a spare column T, dropped after the scatter.
+        slot = torch.where(picks >= 0, picks, T)
+        picked = torch.zeros(B, S, T + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :T]
+        picked = F.pad(picked, (0, 0, 0, pad)).view(B * nb, W, T)
+        mask = torch.cat((mask, picked), dim=-1)
+        per_block = compressed_kv.to(kv.dtype).unsqueeze(1).expand(B, nb, T, D).reshape(B * nb, T, D)
+        keys = torch.cat((keys, per_block), dim=1)
+    o, probs = _DenseSinkAttention.apply(qb, keys, mask, sink, scale)
+    o = o.view(B, nb * W, H, D)[:, :S]
+    if picks is None:
+        return o, q.new_zeros(B, S, H, 0)
+    if T == 0:
+        return o, q.new_zeros(B, S, H, picks.shape[-1])
+    probs = probs[..., 2 * W:].reshape(B, nb * W, H, T)[:, :S]
+    p_picked = probs.gather(-1, slot.clamp(max=T - 1).unsqueeze(2).expand(-1, -1, H, -1))
+    return o, p_picked.masked_fill(~(picks >= 0).unsqueeze(2), 0.0)
+
+
 def reference_sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                                scale: float, block: int = 64) -> torch.Tensor:
     """The reference kernel's exact numerics (quant_and_cache.md §4): indices processed in blocks of 64 with an
@@ -220,9 +305,7 @@ class Attention(nn.Module, NumericsMixin):
         kp, qp = window_pos.unsqueeze(1), pos.unsqueeze(2)
         window_mask = (kp >= 0) & (kp <= qp) & (kp > qp - self.window)
 
-        selected_kv = kv.new_zeros(B, S, 0, self.head_dim)
-        selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
-        index_scores = picks = None
+        index_scores = picks = view = None
         if topo.mode != LayerMode.WINDOW:
             if topo.mode == LayerMode.FULL and topo.index not in ctx.compressed:
                 self.publish_compressed(x, ctx)  # (bounded replay publishes it before the decoder tail runs)
@@ -240,9 +323,6 @@ class Attention(nn.Module, NumericsMixin):
                 n_vis = torch.minimum(visible_entries(pos, topo.compress_ratio), view.length.unsqueeze(1))
                 picks = torch.arange(T, device=x.device).expand(B, S, T)
                 picks = torch.where(picks < n_vis.unsqueeze(-1), picks, torch.full_like(picks, -1))
-            selected_mask = picks >= 0
-            rows = torch.arange(B, device=x.device).view(B, 1, 1)
-            selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
 
         layout = None
         if n.bf16_boundaries and not ctx.dense_indexer:
@@ -256,7 +336,17 @@ class Attention(nn.Module, NumericsMixin):
                 offset = layout[0].shape[1]
                 ids = torch.cat((ids, torch.where(picks >= 0, picks + offset, -1)), dim=-1)
             o, p_selected = reference_sparse_attention(q, kv_list, ids, self.attn_sink.float(), self.scale), None
+        elif n.fused_train_ops and ctx.cache is None:
+            compressed_kv = view.kv if view is not None else kv.new_zeros(B, 0, self.head_dim)
+            o, p_selected = dense_sparse_attention(q, kv, self.window, compressed_kv, picks,
+                                                   self.attn_sink.float(), self.scale)
         else:
+            selected_kv = kv.new_zeros(B, S, 0, self.head_dim)
+            selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
+            if picks is not None:
+                selected_mask = picks >= 0
+                rows = torch.arange(B, device=x.device).view(B, 1, 1)
+                selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
             o, p_selected = sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask,
                                              self.attn_sink.float(), self.scale, n.round)
         if index_scores is not None and self.training:

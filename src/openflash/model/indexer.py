@@ -35,6 +35,18 @@ def top_entries(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.
     return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
 
 
+def top_entries_select(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
+    """`top_entries` without sorting whole rows (the same picks, ties included): everything above the k-th
+    largest score, then the smallest ids among the entries equal to it. Used by the training forward."""
+    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
+    above = scores > threshold
+    tied = scores == threshold
+    room = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    picks = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)  # row-major: each row's ids ascending
+    return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
+
+
 def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
     """Entry mask [B, S, T] of the best blocks per query (§5.9)."""
     B, S, T = scores.shape
@@ -91,6 +103,11 @@ class Indexer(nn.Module, NumericsMixin):
             bf = torch.bfloat16
             logits = torch.einsum("bshd,btd->bsht", q.to(bf), view.index_k.to(bf))
             score = (F.relu(logits) * w.to(bf).unsqueeze(-1)).sum(dim=2).float()
+        elif n.fused_train_ops:
+            # The head sum as one batched product: [1, H] weights times [H, T] ReLU'd logits per query.
+            logits = torch.einsum("bshd,btd->bsht", q, view.index_k.to(q.dtype))
+            T_ = logits.shape[-1]
+            score = torch.bmm(w.reshape(B * S, 1, -1), F.relu(logits).reshape(B * S, -1, T_)).view(B, S, T_)
         else:
             logits = torch.einsum("bshd,btd->bsht", q, view.index_k.to(q.dtype))
             score = (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
@@ -103,17 +120,21 @@ class Indexer(nn.Module, NumericsMixin):
                 view: CompressedView) -> tuple[torch.Tensor, torch.Tensor]:
         """Publish this layer's top-k (and the candidate pool at the candidate source).
 
-        Returns (top-k entry ids [B, S, k], masked scores [B, S, T]); the scores feed the indexer's KL loss.
+        Returns (top-k entry ids [B, S, k], scores [B, S, T] masked to the visible entries); the scores feed the
+        indexer's KL loss. They are not restricted to the candidate pool: the dense warm-up attends to every
+        visible entry, and the KL needs a finite score for each entry it compares.
         """
         score, n_visible = self.scores(x, qr, ctx, view)
+        loss_score = score
         if self.topo.is_candidate_source:
             ctx.candidates = candidate_pool(score, n_visible, self.n_blocks, self.block_size)
             ctx.put(f"indexer{self.topo.index}.candidates", ctx.candidates)
         if self.topo.uses_candidates and ctx.candidates is not None:
             score = score.masked_fill(~ctx.candidates, float("-inf"))
         k = min(self.topk, score.shape[-1])
-        picks = top_entries(score, k, n_visible)
+        select = top_entries_select if self.numerics.fused_train_ops else top_entries
+        picks = select(score, k, n_visible)
         ctx.put(f"indexer{self.topo.index}.scores", score)
         ctx.put(f"indexer{self.topo.index}.topk", picks)
         ctx.topk[self.topo.index] = picks
-        return picks, score
+        return picks, loss_score

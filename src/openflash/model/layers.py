@@ -34,9 +34,31 @@ class RMSNorm(nn.Module, NumericsMixin):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics.fused_train_ops:
+            return _RMSNormFunction.apply(x.float(), self.weight, self.eps)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return self.numerics.round(y)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm for training with a direct backward. With r = rsqrt(mean(x^2) + eps), n = x r and y = w n:
+    dx = r (g w - n mean(g w n)), dw = sum over tokens of g n."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        normed = x * r
+        ctx.save_for_backward(normed, weight, r)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        normed, weight, r = ctx.saved_tensors
+        gw = g * weight
+        dx = gw.sub_(normed * torch.linalg.vecdot(gw, normed).unsqueeze(-1).div_(normed.shape[-1])).mul_(r)
+        d_weight = (g * normed).reshape(-1, normed.shape[-1]).sum(0)
+        return dx, d_weight, None
 
 
 class Linear(nn.Module, NumericsMixin):

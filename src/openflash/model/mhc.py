@@ -5,6 +5,11 @@ Each sublayer computes (pre, post, comb) from its own input residual R [B, S, hc
 - pre is handed to the NEXT sublayer, which uses it to collapse its input: u = sum_i pre[i] * R[i].
 The parameters of one sublayer are `fn` [(2 + hc) * hc, hc * D], `base` [(2 + hc) * hc] and `scale` [3], with rows
 ordered pre (hc), post (hc), comb (hc x hc, row-major, first index = source stream).
+
+Training (`Numerics.fused_train_ops`) runs the same math through `HcIn`, `HcOut` and `Sinkhorn`: autograd
+functions with hand-written backward passes. The residual streams are the largest activations of the model and
+every elementwise pass over them is memory-bound on a CPU, so these read and write them as few times as possible
+and hand autograd one gradient per input instead of one per use.
 """
 
 from __future__ import annotations
@@ -14,18 +19,28 @@ import torch.nn.functional as F
 
 from openflash.model.numerics import Numerics
 
+_RMS_EPS = 1e-20  # of the per-token RMS over all hc*D residual values
+
 
 def hc_coefficients(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     hc: int, sinkhorn_iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]) from the residual, all fp32 (§4.2)."""
     x = residual.flatten(-2).float()
     # One RMS scalar per token over all hc*D values, applied after the projection (same math as before it).
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-20)
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
     m = F.linear(x, fn.float()) * r
+    return coefficients_from_projection(m, base, scale, hc, sinkhorn_iters, eps)
+
+
+def coefficients_from_projection(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+                                 sinkhorn_iters: int, eps: float, fused: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre, post, comb from the RMS-scaled projection m [..., (2 + hc) * hc] (§4.2 steps 3-7)."""
     pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[..., hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
     comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    return pre, post, sinkhorn(comb, sinkhorn_iters, eps)
+    comb = Sinkhorn.apply(comb, sinkhorn_iters, eps) if fused else sinkhorn(comb, sinkhorn_iters, eps)
+    return pre, post, comb
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -57,3 +72,115 @@ def expand_and_mix(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     else:
         mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
     return numerics.round(post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed)
+
+
+# ---- fused training path -------------------------------------------------------------------------------------
+
+class HcIn(torch.autograd.Function):
+    """What a sublayer reads from its input streams R [B,S,hc,D] (§4.2, §4.3), one pass over R each:
+
+        m = (x fn^T) * r,  r = rsqrt(mean(x^2) + 1e-20),  x = R as [.., hc*D]   (projection for the coefficients)
+        u = sum_i pre_in[i] * R[i]                                           (collapse with the previous pre)
+
+    Backward, with z = x fn^T:  dx = r (g_m fn) - (r^3 / (hc*D)) (g_m . z) x + pre_in (outer) g_u.
+    """
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor):
+        shape = residual.shape
+        hc, dim = shape[-2:]
+        R = residual.reshape(-1, hc, dim)
+        x = R.view(R.shape[0], hc * dim)
+        z = x @ fn.t()
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / (hc * dim) + _RMS_EPS)
+        p = pre_in.reshape(-1, 1, hc)
+        u = torch.bmm(p, R)
+        ctx.save_for_backward(R, p, fn, z, r)
+        ctx.shape = shape
+        return (z * r).view(*shape[:-2], -1), u.view(*shape[:-2], dim)
+
+    @staticmethod
+    def backward(ctx, g_m: torch.Tensor, g_u: torch.Tensor):
+        R, p, fn, z, r = ctx.saved_tensors
+        n, hc, dim = R.shape
+        x = R.view(n, hc * dim)
+        g_m = g_m.reshape(n, -1)
+        g_u = g_u.reshape(n, 1, dim)
+        gz = g_m * r
+        coef = (g_m * z).sum(-1, keepdim=True) * r.pow(3) * (-1.0 / (hc * dim))
+        dx = torch.mm(gz, fn).addcmul_(x, coef)
+        d_residual = dx.view(n, hc, dim).addcmul_(p.view(n, hc, 1), g_u)
+        d_pre = torch.bmm(R, g_u.view(n, dim, 1))
+        d_fn = gz.t() @ x
+        return d_residual.view(ctx.shape), d_pre.view(ctx.shape[:-1]), d_fn
+
+
+class HcOut(torch.autograd.Function):
+    """expand_and_mix: R_new[k] = post[k] * y + sum_j comb[j, k] * R[j] (§4.3), y [..,D], R [..,hc,D].
+
+    Backward: dy = sum_k post[k] g[k], dpost[k] = g[k] . y, dR[j] = sum_k comb[j, k] g[k], dcomb[j, k] = R[j] . g[k].
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        shape = residual.shape
+        hc, dim = shape[-2:]
+        R = residual.reshape(-1, hc, dim)
+        Y = y.reshape(-1, 1, dim)
+        P = post.reshape(-1, hc, 1)
+        C = comb.reshape(-1, hc, hc).contiguous()
+        out = torch.bmm(C.transpose(1, 2), R).addcmul_(P, Y)
+        ctx.save_for_backward(Y, R, P, C)
+        ctx.shape, ctx.y_shape = shape, y.shape
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        Y, R, P, C = ctx.saved_tensors
+        n, hc, dim = R.shape
+        g = g.reshape(n, hc, dim).contiguous()
+        d_y = torch.bmm(P.transpose(1, 2), g)
+        d_post = torch.bmm(g, Y.transpose(1, 2))
+        d_residual = torch.bmm(C, g)
+        d_comb = torch.bmm(R, g.transpose(1, 2))
+        lead = ctx.shape[:-2]
+        return d_y.view(ctx.y_shape), d_residual.view(ctx.shape), d_post.view(*lead, hc), d_comb.view(*lead, hc, hc)
+
+
+class Sinkhorn(torch.autograd.Function):
+    """`sinkhorn` with a hand-written backward through its normalisations (the unrolled iterations, exactly).
+
+    Works on the [hc, hc, N] layout, where both normalisations reduce over a leading dimension. A normalisation
+    c' = c / (sum c + eps) has the gradient dc = (g - sum(g * c')) / (sum c + eps) over the same group.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int, eps: float):
+        shape = logits.shape
+        hc = shape[-1]
+        c = logits.reshape(-1, hc, hc).permute(1, 2, 0).contiguous()  # [row i, column j, token]
+        p = torch.softmax(c, dim=1)  # row softmax (rows are dim 1 here: source i, over destinations j)
+        c = p + eps
+        outputs, sums, dims = [], [], []
+        for step in range(2 * iters - 1):
+            dim = 0 if step % 2 == 0 else 1  # column normalisation first (after the row softmax), then alternate
+            s = c.sum(dim=dim, keepdim=True).add_(eps)
+            c = c / s
+            outputs.append(c)
+            sums.append(s)
+            dims.append(dim)
+        ctx.save_for_backward(p, *outputs, *sums)
+        ctx.dims, ctx.shape = dims, shape
+        return c.permute(2, 0, 1).contiguous().view(shape)  # token-major again: bmm wants dense batches
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        saved = ctx.saved_tensors
+        n = len(ctx.dims)
+        p, outputs, sums = saved[0], saved[1:n + 1], saved[n + 1:]
+        hc = ctx.shape[-1]
+        g = g.reshape(-1, hc, hc).permute(1, 2, 0).contiguous()  # the [hc, hc, N] layout, densely
+        for out, s, dim in zip(reversed(outputs), reversed(sums), reversed(ctx.dims)):
+            g = (g - (g * out).sum(dim=dim, keepdim=True)) / s
+        g = p * (g - (g * p).sum(dim=1, keepdim=True))  # softmax backward
+        return g.permute(2, 0, 1).contiguous().view(ctx.shape), None, None

@@ -8,7 +8,8 @@ which of the reference's rounding points to reproduce:
   FP8 window KV, FP4 compressed KV, MXFP4 index q/k) in fp32 arithmetic. These are part of the trained model.
 - `reference`: additionally rounds to bf16 wherever the reference's bf16 tensors do, so that integer outputs
   (top-k, routing) match the official code exactly; used by `openflash parity`.
-- `train`: fp32 with the cache QDQs applied through a straight-through estimator, so gradients flow.
+- `train`: fp32 with the cache QDQs applied through a straight-through estimator, so gradients flow, and the
+  fused training ops (`fused_train_ops`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Numerics:
     # is still open, its indexer scores against whatever index keys were published last (another layer's),
     # not its own. Only the `reference` policy turns this on; openflash's own behaviour uses the layer's keys.
     stale_index_keys: bool = False
+    # Training speed: the same math through fused ops with hand-written backward passes (mHC, attention softmax,
+    # routed experts); the summation order differs from the unfused ops, so only the `train` policy uses them.
+    fused_train_ops: bool = False
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """Round to bf16 where the reference holds a bf16 tensor (no-op outside `reference`)."""
@@ -61,7 +65,8 @@ class Numerics:
 FP32 = Numerics("fp32", bf16_boundaries=False, act_quant=True, cache_qdq=True, straight_through=False)
 REFERENCE = Numerics("reference", bf16_boundaries=True, act_quant=True, cache_qdq=True, straight_through=False,
                      stale_index_keys=True)
-TRAIN = Numerics("train", bf16_boundaries=False, act_quant=False, cache_qdq=True, straight_through=True)
+TRAIN = Numerics("train", bf16_boundaries=False, act_quant=False, cache_qdq=True, straight_through=True,
+                 fused_train_ops=True)
 
 # No quantization at all: for consistency tests, where a QDQ rounding flip would hide a real difference.
 PLAIN = Numerics("plain", bf16_boundaries=False, act_quant=False, cache_qdq=False, straight_through=False)

@@ -50,8 +50,29 @@ class Rotary:
 
         `inverse` uses the conjugate rotation (output de-rotation, architecture.md §5.11).
         """
-        # Complex multiplication, as the reference does it (same fp32 rounding as its kernels' inputs).
-        pairs = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
-        rotation = torch.complex(cos, -sin if inverse else sin)
-        rotated = torch.view_as_real(pairs * rotation).flatten(-2)
-        return torch.cat((x[..., : -self.rope_dim], rotated.to(x.dtype)), dim=-1)
+        return _Rotate.apply(x, torch.complex(cos, -sin if inverse else sin), self.rope_dim)
+
+
+def _rotate_tail(x: torch.Tensor, rotation: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x with its last rope_dim channels (as complex pairs) multiplied by `rotation`."""
+    # Complex multiplication, as the reference does it (same fp32 rounding as its kernels' inputs).
+    pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+    out = x.clone()
+    out[..., -rope_dim:] = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """RoPE with a direct backward: the gradient is rotated back by the conjugate rotation (one pass, instead of
+    autograd's slice, complex-view and concatenation steps)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rotation: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        ctx.save_for_backward(rotation)
+        ctx.rope_dim = rope_dim
+        return _rotate_tail(x, rotation, rope_dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (rotation,) = ctx.saved_tensors
+        return _rotate_tail(g, rotation.conj(), ctx.rope_dim), None, None

@@ -32,7 +32,8 @@ from openflash.model.cache import ModelCache, ReplayBuffer
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.engram import Engram
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
-from openflash.model.mhc import collapse, expand_and_mix, hc_coefficients
+from openflash.model.mhc import (HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix,
+                                 hc_coefficients)
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32, Numerics
 
@@ -77,12 +78,27 @@ class Block(nn.Module, NumericsMixin):
     def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.numerics
+        if n.fused_train_ops:
+            return self._forward_fused(residual, pre_in, ctx, image_mask)
         a_pre, a_post, a_comb = self.coefficients(residual, "attn")
         u = self.attn_norm(collapse(residual, pre_in, n))  # pre_in: the previous sublayer's pre
         r1 = expand_and_mix(self.attn(u, ctx), residual, a_post, a_comb, n)
         f_pre, f_post, f_comb = self.coefficients(r1, "ffn")
         v = self.ffn_norm(collapse(r1, a_pre, n))
         r2 = expand_and_mix(self.ffn(v, ctx, image_mask), r1, f_post, f_comb, n)
+        return r2, f_pre
+
+    def _forward_fused(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
+                       image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same sublayers with the fused mHC ops (training; see mhc.py)."""
+        m, u = HcIn.apply(residual, pre_in, self.hc_attn_fn)
+        a_pre, a_post, a_comb = coefficients_from_projection(m, self.hc_attn_base, self.hc_attn_scale, self.hc,
+                                                             self.iters, self.eps, fused=True)
+        r1 = HcOut.apply(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
+        m, v = HcIn.apply(r1, a_pre, self.hc_ffn_fn)
+        f_pre, f_post, f_comb = coefficients_from_projection(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc,
+                                                             self.iters, self.eps, fused=True)
+        r2 = HcOut.apply(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
         return r2, f_pre
 
 

@@ -1,0 +1,159 @@
+"""Training speed on this machine: tokens/s and MFU of full training steps (forward, backward, optimizer).
+
+    python benchmarks/train_speed.py [--presets tiny small] [--batch-size 8] [--seq-len 256] [--steps 6]
+                                     [--threads N]
+
+MFU = achieved model FLOP/s / peak. Model FLOPs per token = 6 x active params (matrices only; no token embedding,
+no Engram tables, routed experts counted at top-k / n_experts) + attention (scores and value mixing over the
+window and the picked compressed entries, x3 for forward + backward, and the indexer's scores). The peak is this
+machine's fp32 matmul rate, measured by the script itself (a large square matmul, same thread count).
+Writes benchmarks/results/train_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from openflash.config import FlashConfig, load_config
+from openflash.model.numerics import NUMERICS
+from openflash.model.transformer import Transformer
+from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
+                                   update_router_bias)
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def matmul_peak(n: int = 2048, reps: int = 8, rounds: int = 5) -> float:
+    """Best fp32 matmul FLOP/s over a few rounds (the machine may be shared; the best round is the peak)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - start))
+    return best
+
+
+def active_matrix_params(model: Transformer) -> int:
+    cfg = model.cfg
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight" or is_engram_table(name):
+            continue
+        share = cfg.num_experts_per_tok / cfg.n_routed_experts if ".ffn.experts." in name else 1.0
+        total += p.numel() * share
+    return int(total)
+
+
+def attention_flops_per_token(cfg: FlashConfig, seq_len: int) -> float:
+    """Forward + backward attention FLOPs per token, averaged over the positions of a training sequence."""
+    total = 0.0
+    for t in cfg.topology.layers:
+        for pos in range(seq_len):
+            keys = min(pos + 1, cfg.sliding_window)
+            if t.compress_ratio:
+                visible = (pos + 1) // t.compress_ratio
+                keys += min(cfg.index_topk, visible)
+                if t.has_indexer:  # index scores against every visible entry
+                    total += 3 * 2 * cfg.index_n_heads * cfg.index_head_dim * visible
+            total += 3 * 4 * cfg.num_attention_heads * cfg.head_dim * keys  # q.k and p.v, forward + backward
+    return total / seq_len
+
+
+def bench_preset(preset: str, batch: int, seq_len: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    cfg = load_config(preset).replace(weight_dtype="fp32", expert_dtype="fp32")
+    model = Transformer(cfg).set_numerics(NUMERICS["train"]).train()
+    opt = TrainOptimizer(model, OptimConfig(lr=1e-3))
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, cfg.vocab_size, (steps + 2, batch, seq_len + 1), generator=gen)
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "step": []}
+    for i in range(steps + 2):
+        x, y = tokens[i, :, :-1], tokens[i, :, 1:]
+        t0 = time.perf_counter()
+        hash_ids = model.hash_ids(x, None)
+        opt.zero_grad()
+        out = model(x, y, hash_ids=hash_ids)
+        t1 = time.perf_counter()
+        (out.loss + 0.01 * out.indexer_loss).backward()
+        t2 = time.perf_counter()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        update_router_bias(model, expert_loads(model), 1e-3)
+        reset_expert_loads(model)
+        t3 = time.perf_counter()
+        if i >= 2:  # the first steps pay one-off allocation and initialisation costs
+            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                times[key].append(value)
+    step = statistics.median(times["step"])
+    tokens_per_step = batch * seq_len
+    active = active_matrix_params(model)
+    flops_per_token = 6 * active + attention_flops_per_token(cfg, seq_len)
+    return {
+        "preset": preset,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "params": sum(p.numel() for p in model.parameters()),
+        "active_matrix_params": active,
+        "model_flops_per_token": flops_per_token,
+        "step_seconds_median": step,
+        "step_seconds_best": min(times["step"]),
+        "forward_seconds": statistics.median(times["forward"]),
+        "backward_seconds": statistics.median(times["backward"]),
+        "optimizer_seconds": statistics.median(times["optimizer"]),
+        "tokens_per_s": tokens_per_step / step,
+        "model_flops_per_s": flops_per_token * tokens_per_step / step,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per preset (after 2 warm-up steps)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default=str(RESULTS / "train_speed.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # The machine may be shared: the peak is the best of measurements before and after the runs.
+    peak = matmul_peak()
+    rows = [bench_preset(preset, args.batch_size, args.seq_len, args.steps) for preset in args.presets]
+    peak = max(peak, matmul_peak())
+    print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    for row in rows:
+        row["mfu"] = row["model_flops_per_s"] / peak
+    print(f"{'preset':8s} {'batch x seq':>12s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'tokens/s':>9s} "
+          f"{'MFLOP/tok':>10s} {'GFLOP/s':>8s} {'MFU':>6s}")
+    for r in rows:
+        print(f"{r['preset']:8s} {r['batch_size']:>5d} x {r['seq_len']:<5d} {r['step_seconds_median']:8.2f} "
+              f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
+              f"{r['tokens_per_s']:9.0f} {r['model_flops_per_token'] / 1e6:10.1f} {r['model_flops_per_s'] / 1e9:8.1f} "
+              f"{100 * r['mfu']:5.1f}%")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "processor": platform.processor() or platform.machine(),
+                          "matmul_peak_flops": peak},
+              "results": rows}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

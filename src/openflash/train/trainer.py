@@ -1,0 +1,657 @@
+"""Training loop: `openflash train` and the demo both run `Trainer(cfg).fit()`.
+
+One step (data parallel over ranks when torch.distributed is initialised; see distributed.py):
+
+    inputs, targets = loader.batch_at(step)           # depends only on (seed, step): resumes exactly
+    hash ids = Engram hash of the inputs               # computed from tokens, before the model runs
+    stage 1 (step < indexer_warmup): dense attention, objective = indexer KL, only `*.attn.indexer.*` learns
+    stage 2: sparse attention, objective = lm loss + indexer_loss_weight * indexer KL
+             (the indexer's inputs are detached inside the model, so the KL gradient reaches only the indexer)
+    backward, average grads across ranks, clip, AdamW/Adam(/Muon) step
+    router bias += rate * sign(mean load - load) from the step's expert loads (summed across ranks)
+
+A run folder holds:
+
+    config.json          the model config (adjusted to the dataset's tokenizer)
+    train_args.json      the TrainConfig of the run
+    metrics.jsonl        train lines {step, loss, lr, tokens_per_s, grad_norm, load_max_mean, ...},
+                         eval lines {step, val_loss, val_ppl} (step 0 = before training)
+    checkpoints/step_NNNNNNNN/   config.json, model.safetensors (official names, fp32), tokenizer.json,
+                                 trainer_state.pt (optimizer, schedule, data loader, RNG, counters)
+
+A checkpoint is written to a temporary folder and renamed into place, so a listed checkpoint is always complete;
+only the newest `keep_checkpoints` are kept. Ctrl-C finishes the current step, saves and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from openflash.checkpoint import INDEX_FILE, SINGLE_FILE, save_checkpoint
+from openflash.config import FlashConfig, load_config
+from openflash.errors import OpenflashError
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import build_compressed_token_map
+from openflash.model.numerics import NUMERICS
+from openflash.model.transformer import Transformer
+from openflash.train.data import BatchLoader, TokenDataset, eval_batches
+from openflash.train.distributed import DistContext, all_reduce_grads, init_from_env
+from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param,
+                                   load_stats, reset_expert_loads, update_router_bias)
+from openflash.train.tokenizer import load_tokenizer
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+ARGS_FILE = "train_args.json"
+# A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
+# far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
+PLAN_AT_STEPS = (4, 12, 30, 60, 100)
+
+# Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
+RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup")
+
+
+@dataclass
+class TrainConfig:
+    data: str  # folder written by `openflash data prepare`
+    out: str  # run folder
+    config: str = "small"  # preset name or config.json
+    steps: int = 1000
+    batch_size: int = 8  # global, split across ranks
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    indexer_warmup: int = 0
+    indexer_loss_weight: float = 0.01
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    engram_lr_mult: float = 5.0
+    grad_clip: float = 1.0
+    bias_update_rate: float = 1e-3
+    eval_every: int = 100  # 0: only before and after training
+    eval_batches: int = 8
+    save_every: int = 200  # 0: only at the end
+    keep_checkpoints: int = 1
+    max_minutes: float | None = None
+    steps_from_budget: bool = False  # time-budgeted: after a few timed steps, steps = what fits in max_minutes
+    adaptive_threads: bool = False  # re-pick the torch thread count from step times (shared machines; see ThreadTuner)
+    resume: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "indexer_warmup", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise OpenflashError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise OpenflashError(f"--lr must be positive, got {self.lr}")
+        if self.indexer_warmup >= self.steps and not self.steps_from_budget:
+            raise OpenflashError(f"--indexer-warmup ({self.indexer_warmup}) must be smaller than --steps "
+                                 f"({self.steps}): the main model would never train")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise OpenflashError(f"--max-minutes must be positive, got {self.max_minutes}")
+        if self.steps_from_budget and self.max_minutes is None:
+            raise OpenflashError("a time-budgeted run needs max_minutes")
+
+
+@dataclass
+class FitResult:
+    step: int  # optimizer steps done in total (all invocations)
+    stopped_by: str  # "steps", "time", "interrupt"
+    checkpoint: Path | None
+    last_loss: float | None
+    val_loss: float | None
+    trained_seconds: float
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run-folder helpers
+
+
+def training_model_config(config: str | Path, tokenizer_path: str | Path) -> FlashConfig:
+    """The model config for training with a given tokenizer: its vocabulary, its compressed Engram token map,
+    no image token, and fp32 ("float") storage for every weight."""
+    cfg = load_config(config)
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    changes: dict[str, Any] = dict(vocab_size=vocab, image_token_id=None, weight_dtype="fp32", expert_dtype="fp32")
+    if cfg.engram_layer_ids:
+        token_map = build_compressed_token_map(tokenizer, vocab)
+        changes["engram_compressed_vocab_size"] = int(token_map.max()) + 1
+    return cfg.replace(**changes)
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1] if dirs else None
+
+
+def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint) / STATE_FILE
+    if not path.is_file():
+        raise OpenflashError(f"{path} is missing: not a training checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a damaged pickle / zip
+        raise OpenflashError(f"{path}: unreadable trainer state ({exc})") from exc
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past `step` (written after the checkpoint a resumed run continues from)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Thread count on a shared machine
+
+
+@dataclass
+class ThreadTuner:
+    """Picks the torch thread count from measured step times.
+
+    On a machine shared with other processes, OpenMP worker threads that spin-wait for a core held by someone
+    else can make a step many times slower; one thread is then faster than all cores. Every `every` steps each
+    other candidate gets one probe step and the fastest is used until the next round. A candidate that lost by
+    more than 2x is probed half as often each time it loses again (such probes are expensive).
+    """
+
+    candidates: tuple[int, ...]
+    every: int = 30
+    current: int = 0
+    times: dict[int, float] = field(default_factory=dict)
+    backoff: dict[int, int] = field(default_factory=dict)
+    _probing: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.candidates[0]
+
+    def threads_for(self, step_in_run: int) -> int:
+        if step_in_run % self.every == 1 and not self._probing:  # step 0 pays one-off warm-up costs
+            round_index = step_in_run // self.every
+            self._probing = [t for t in self.candidates if t != self.current
+                             and round_index % self.backoff.get(t, 1) == 0] + [self.current]
+        return self._probing[0] if self._probing else self.current
+
+    def record(self, threads: int, seconds: float) -> None:
+        if not self._probing or self._probing[0] != threads:
+            return
+        self.times[threads] = seconds
+        self._probing.pop(0)
+        if not self._probing:
+            best = min(self.times, key=self.times.get)
+            for t, v in self.times.items():
+                self.backoff[t] = min(8, self.backoff.get(t, 1) * 2) if v > 2 * self.times[best] else 1
+            self.current = best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+class Trainer:
+    """Builds (or resumes) a run and trains it: `Trainer(cfg).fit()`.
+
+    `on_step(trainer, record)` is called after every optimizer step on every rank (tests use it to interrupt a
+    run through `request_stop()`, the same path Ctrl-C takes).
+    """
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None,
+                 on_step: Callable[["Trainer", dict[str, Any]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = ctx if ctx is not None else DistContext.current()
+        self.on_step = on_step
+        self.run_dir = Path(cfg.out)
+        self.train_data = TokenDataset(cfg.data, "train")
+        self.val_data = TokenDataset(cfg.data, "val")
+        self.tokenizer_path = self.train_data.tokenizer_path
+
+        resume_from = latest_checkpoint(self.run_dir)
+        if cfg.resume and resume_from is None:
+            raise OpenflashError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINTS_DIR} (start without "
+                                 f"--resume to begin a new run)")
+        if not cfg.resume and resume_from is not None:
+            raise OpenflashError(f"{self.run_dir} already holds checkpoints (latest {resume_from.name}); pass "
+                                 f"--resume to continue it, or choose a new --out folder")
+        self.resume_from = resume_from if cfg.resume else None
+        if self.resume_from is not None:
+            self._check_resume_args()
+            self.model_cfg = load_config(self.resume_from)
+        else:
+            self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
+
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(self.model_cfg)
+        if self.model_cfg.engram_layer_ids:
+            tokenizer = load_tokenizer(self.tokenizer_path)
+            self.model.attach_engram_frontend(EngramFrontend.for_config(self.model_cfg, tokenizer))
+        self.model.set_numerics(NUMERICS["train"]).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
+        if cfg.indexer_warmup and not self.indexer_params:
+            raise OpenflashError(f"--indexer-warmup {cfg.indexer_warmup}: the model {cfg.config} has no indexer")
+        self.optimizer = TrainOptimizer(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                                engram_lr_mult=cfg.engram_lr_mult,
+                                                                optimizer=cfg.optimizer))
+        self.schedule = Schedule(cfg.warmup, cfg.steps, cfg.indexer_warmup, cfg.min_lr_ratio)
+        self.loader = BatchLoader(self.train_data, cfg.batch_size, cfg.seq_len, cfg.seed, self.ctx.rank,
+                                  self.ctx.world_size)
+        self.eval_set = eval_batches(self.val_data, cfg.batch_size, cfg.seq_len, cfg.eval_batches) \
+            if self.val_data.num_tokens > cfg.seq_len else []
+        self.step = 0
+        self.tokens_seen = 0
+        self._seconds_before = 0.0  # trained_seconds of earlier invocations (resume)
+        self._fit_start: float | None = None
+        self._last_eval_step = -1
+        self.last_val_loss: float | None = None
+        self.budget_fixed = False  # a time-budgeted run has fixed its step count
+        self._stop_requested = False
+        self._last_saved_step = -1
+        self._eval_seconds = 0.0
+        self._save_seconds = 0.0
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+        else:
+            self.ctx.broadcast_module_(self.model)
+
+    # ---- public ---------------------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint and return from fit() (what Ctrl-C does)."""
+        self._stop_requested = True
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total
+
+    def fit(self) -> FitResult:
+        cfg, ctx = self.cfg, self.ctx
+        self._fit_start = time.monotonic()
+        deadline = self._fit_start + cfg.max_minutes * 60 if cfg.max_minutes is not None else math.inf
+        if ctx.is_main:
+            self._start_run_files()
+        if self.step == 0 and self.resume_from is None and self.eval_set:
+            self._evaluate_and_log()
+        previous_handler = self._install_sigint()
+        # A time-budgeted run shows a plain step counter until it knows how many steps fit.
+        bar = tqdm(total=None if cfg.steps_from_budget else self.total_steps, initial=self.step, unit="step",
+                   dynamic_ncols=True, disable=not (cfg.progress and ctx.is_main), desc="training")
+        stopped_by, last_loss, step_times = "steps", None, []
+        tuner = None
+        if cfg.adaptive_threads and not ctx.enabled and torch.get_num_threads() > 1:
+            tuner = ThreadTuner((torch.get_num_threads(), 1))
+        threads_before = torch.get_num_threads()
+        try:
+            while self.step < self.total_steps:
+                if tuner is not None:
+                    torch.set_num_threads(tuner.threads_for(len(step_times)))
+                record = self.train_step()
+                if tuner is not None:
+                    record["threads"] = torch.get_num_threads()
+                    tuner.record(record["threads"], record["step_seconds"])
+                step_times.append(record["step_seconds"])
+                last_loss = record["loss"]
+                if ctx.is_main:
+                    self._log(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                refresh=False)
+                if cfg.steps_from_budget and self._plan_budget(step_times, deadline):
+                    bar.total = self.total_steps
+                    bar.refresh()
+                if self.on_step is not None:
+                    self.on_step(self, record)
+                if self.step < self.total_steps:
+                    if cfg.eval_every and self.step % cfg.eval_every == 0 and self.eval_set:
+                        self._evaluate_and_log(bar)
+                    if cfg.save_every and self.step % cfg.save_every == 0:
+                        self._save()
+                interrupted, out_of_time = ctx.any_each([self._stop_requested, time.monotonic() >= deadline])
+                if interrupted or out_of_time:
+                    stopped_by = "interrupt" if interrupted else "time"
+                    break
+        finally:
+            bar.close()
+            self._restore_sigint(previous_handler)
+            torch.set_num_threads(threads_before)
+        if self.eval_set and stopped_by != "interrupt" and self._last_eval_step != self.step:
+            self._evaluate_and_log()
+        checkpoint = self._save()
+        self._seconds_before, self._fit_start = self.trained_seconds, None
+        if ctx.is_main and cfg.progress:
+            how = {"steps": "finished", "time": "stopped at the time limit", "interrupt": "interrupted"}[stopped_by]
+            print(f"{how} at step {self.step}/{self.total_steps}; checkpoint {checkpoint}")
+        return FitResult(self.step, stopped_by, checkpoint, last_loss, self.last_val_loss, self.trained_seconds)
+
+    @property
+    def trained_seconds(self) -> float:
+        """Wall time spent in fit() over all invocations of this run (steps, evaluations and saves)."""
+        running = time.monotonic() - self._fit_start if self._fit_start is not None else 0.0
+        return self._seconds_before + running
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        cfg, ctx, model = self.cfg, self.ctx, self.model
+        t0 = time.monotonic()
+        step = self.step
+        indexer_stage = step < self.schedule.indexer_warmup
+        inputs, targets = self.loader.batch_at(step)
+        hash_ids = model.hash_ids(inputs, None)
+        multiplier = self.schedule.multiplier(step)
+        self.optimizer.set_lr_multiplier(multiplier)
+        self.optimizer.zero_grad()
+        out = model(inputs, targets, hash_ids=hash_ids, dense_indexer=indexer_stage)
+        if indexer_stage:
+            objective = out.indexer_loss
+        elif out.indexer_loss is not None and cfg.indexer_loss_weight:
+            objective = out.loss + cfg.indexer_loss_weight * out.indexer_loss
+        else:
+            objective = out.loss
+        objective.backward()
+
+        # Every trainable parameter of the stage gets a gradient (zeros for experts that received no tokens), so
+        # one process and several see the same set of updated parameters.
+        params = self.indexer_params if indexer_stage else self.params
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_grads(params, ctx)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        self.optimizer.step()
+
+        loads = ctx.all_reduce_sum_(expert_loads(model))
+        if not indexer_stage:
+            update_router_bias(model, loads, cfg.bias_update_rate)
+        reset_expert_loads(model)
+
+        losses = torch.stack([out.loss.detach(), out.indexer_loss.detach() if out.indexer_loss is not None
+                              else torch.zeros(())])
+        ctx.all_reduce_mean_(losses)
+        loss, indexer_loss = float(losses[0]), float(losses[1])
+        if not math.isfinite(loss):
+            raise OpenflashError(f"the training loss became {loss} at step {step + 1}; lower --lr (now {cfg.lr})")
+        self.step += 1
+        self.loader.step = self.step
+        tokens = cfg.batch_size * cfg.seq_len
+        self.tokens_seen += tokens
+        seconds = time.monotonic() - t0
+        record = {"step": self.step, "loss": round(loss, 6), "lr": self.optimizer.lr(),
+                  "tokens_per_s": round(tokens / seconds, 1), "grad_norm": round(float(grad_norm), 6),
+                  "step_seconds": round(seconds, 4)}
+        if out.indexer_loss is not None:
+            record["indexer_loss"] = round(indexer_loss, 6)
+        if indexer_stage:
+            record["stage"] = "indexer_warmup"
+        record.update(load_stats(loads))
+        record["loss_exact"] = loss  # full precision, for resume/equivalence checks
+        return record
+
+    # ---- evaluation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over the fixed validation windows (all ranks share the work)."""
+        ctx, model = self.ctx, self.model
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        try:
+            for inputs, targets in self.eval_set:
+                rows = inputs.shape[0]
+                lo, hi = rows * ctx.rank // ctx.world_size, rows * (ctx.rank + 1) // ctx.world_size
+                if hi <= lo:
+                    continue
+                x, y = inputs[lo:hi], targets[lo:hi]
+                out = model(x, y, hash_ids=model.hash_ids(x, None))
+                total[0] += float(out.loss) * y.numel()
+                total[1] += y.numel()
+        finally:
+            model.train(was_training)
+        ctx.all_reduce_sum_(total)
+        if total[1] == 0:
+            raise OpenflashError(f"{self.cfg.data}: the validation split has no window of seq_len + 1 = "
+                                 f"{self.cfg.seq_len + 1} tokens")
+        return float(total[0] / total[1])
+
+    def _evaluate_and_log(self, bar: tqdm | None = None) -> float:
+        t0 = time.monotonic()
+        val = self.evaluate()
+        self._eval_seconds = time.monotonic() - t0
+        self.last_val_loss = val
+        self._last_eval_step = self.step
+        if self.ctx.is_main:
+            ppl = math.exp(min(val, 50.0))
+            self._append_metrics({"step": self.step, "val_loss": round(val, 6), "val_ppl": round(ppl, 4)})
+            if self.cfg.progress:
+                (bar.write if bar is not None else print)(f"step {self.step}: val_loss {val:.4f} (ppl {ppl:.2f})")
+        return val
+
+    # ---- time budget -----------------------------------------------------------------------------------------
+    def _plan_budget(self, step_times: list[float], deadline: float) -> bool:
+        """At the PLAN_AT_STEPS points, set the total step count to what fits before the deadline, leaving time
+        for the evaluations and checkpoints still to come. Returns whether it planned."""
+        now = time.monotonic()
+        if len(step_times) not in PLAN_AT_STEPS or (self.budget_fixed and now - self._fit_start > (deadline - now)):
+            return False
+        per_step = statistics.median(step_times[1:])  # first step excluded; the median ignores probes and evals
+        steps_left = (deadline - now) / per_step
+        evals = (steps_left // self.cfg.eval_every if self.cfg.eval_every else 0) + 1
+        saves = (steps_left // self.cfg.save_every if self.cfg.save_every else 0) + 1
+        reserve = evals * self._eval_seconds + saves * max(self._save_seconds, 1.0)
+        self.schedule.total = self.step + max(1, int((deadline - now - reserve) / per_step))
+        self.budget_fixed = True
+        return True
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _check_resume_args(self) -> None:
+        path = self.run_dir / ARGS_FILE
+        if not path.is_file():
+            return
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OpenflashError(f"{path}: unreadable ({exc})") from exc
+        diffs = [f"{k} (run: {recorded.get(k)!r}, now: {getattr(self.cfg, k)!r})" for k in RESUME_FIXED
+                 if recorded.get(k) != getattr(self.cfg, k)]
+        if diffs:
+            raise OpenflashError(f"--resume with different arguments than the run in {self.run_dir}: "
+                                 f"{'; '.join(diffs)}")
+
+    def _start_run_files(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = self.run_dir / METRICS_FILE
+        if self.resume_from is None:
+            self.model_cfg.save(self.run_dir / "config.json")
+            metrics.write_text("")
+        else:
+            _truncate_metrics(metrics, self.step)
+        _write_json_atomic(self.run_dir / ARGS_FILE, asdict(self.cfg))
+        self._append_metrics({"event": "resume" if self.resume_from is not None else "start", "at_step": self.step,
+                              "world_size": self.ctx.world_size, "config": self.cfg.config,
+                              "params": sum(p.numel() for p in self.model.parameters())})
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self._append_metrics({k: v for k, v in record.items() if k != "loss_exact"})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "trained_seconds": self.trained_seconds,
+            "last_val_loss": self.last_val_loss,
+            "world_size": self.ctx.world_size,
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+            "train_args": asdict(self.cfg),
+        }
+
+    def _save(self) -> Path:
+        """Write a checkpoint of the current step (rank 0), atomically; returns its folder."""
+        root = self.run_dir / CHECKPOINTS_DIR
+        final = root / f"step_{self.step:08d}"
+        if self._last_saved_step == self.step:
+            return final
+        t0 = time.monotonic()
+        if self.ctx.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp_step_{self.step:08d}_{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            save_checkpoint(self.model, tmp, dtype="fp32", tokenizer_json=self.tokenizer_path)
+            torch.save(self.state_dict(), tmp / STATE_FILE)
+            if final.exists():  # a stale copy of this step (e.g. from a run that was resumed earlier)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in checkpoint_dirs(self.run_dir)[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.ctx.barrier()
+        self._last_saved_step = self.step
+        self._save_seconds = time.monotonic() - t0
+        return final
+
+    def _load(self, checkpoint: Path) -> None:
+        state = read_trainer_state(checkpoint)
+        if (checkpoint / INDEX_FILE).exists():
+            raise OpenflashError(f"{checkpoint}: sharded training checkpoints are not supported")
+        weights = load_file(str(checkpoint / SINGLE_FILE))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise OpenflashError(f"{checkpoint}: weights do not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        # --steps may extend (or shorten) a resumed run; a time-budgeted run re-plans its steps after calibrating.
+        self.schedule.total = self.cfg.steps if not self.cfg.steps_from_budget else int(state["step"]) + self.cfg.steps
+        self.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self._seconds_before = float(state["trained_seconds"])
+        self.last_val_loss = state["last_val_loss"]
+        self._last_saved_step = self.step
+
+    # ---- Ctrl-C ----------------------------------------------------------------------------------------------
+    def _install_sigint(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:  # a second Ctrl-C aborts at once
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            if self.ctx.is_main:
+                tqdm.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+
+        return signal.signal(signal.SIGINT, handler)
+
+    @staticmethod
+    def _restore_sigint(previous: Any) -> None:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data parallel without torchrun
+
+
+def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str) -> None:
+    records: list[dict[str, Any]] = []
+    result = Trainer(TrainConfig(**cfg_dict), ctx, on_step=lambda trainer, record: records.append(record)).fit()
+    if ctx.is_main:
+        Path(records_path).write_text(json.dumps({"records": records, "step": result.step,
+                                                  "stopped_by": result.stopped_by,
+                                                  "val_loss": result.val_loss}))
+
+
+def fit_data_parallel(cfg: TrainConfig, world_size: int, threads_per_rank: int = 1) -> dict[str, Any]:
+    """Train `cfg` with `world_size` local processes (gloo on 127.0.0.1), as torchrun would; returns rank 0's
+    per-step records and final step."""
+    from openflash.train.distributed import spawn
+
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    records_path = Path(cfg.out) / f".spawn_records_{os.getpid()}.json"
+    try:
+        spawn(_spawned_fit, world_size, asdict(cfg), str(records_path), threads_per_rank=threads_per_rank)
+        return json.loads(records_path.read_text())
+    finally:
+        records_path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    return TrainConfig(**values)
+
+
+def cli_train(args: argparse.Namespace) -> int:
+    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks)."""
+    cfg = config_from_args(args)
+    ctx = init_from_env()
+    try:
+        result = Trainer(cfg, ctx).fit()
+    finally:
+        if ctx.enabled:
+            torch.distributed.destroy_process_group()
+    if ctx.is_main and result.stopped_by == "interrupt":
+        print(f"resume with: openflash train --data {cfg.data} --out {cfg.out} --resume")
+    return 0
+
+
+__all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config", "latest_checkpoint", "checkpoint_dirs",
+           "read_trainer_state", "fit_data_parallel", "cli_train"]

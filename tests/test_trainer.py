@@ -1,0 +1,321 @@
+"""Training loop (openflash.train.trainer / optim): schedule, parameter groups, router balancing, exact resume,
+indexer warm-up, checkpoints and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from openflash.checkpoint import load_checkpoint
+from openflash.cli import main as cli_main
+from openflash.errors import OpenflashError
+from openflash.train.data import prepare_dataset
+from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
+                                   reset_expert_loads, update_router_bias)
+from openflash.train.tokenizer import load_tokenizer, train_bpe_tokenizer
+from openflash.train.trainer import (STATE_FILE, ThreadTuner, TrainConfig, Trainer, checkpoint_dirs,
+                                     latest_checkpoint, training_model_config)
+
+SMALL_RUN = dict(config="tiny", batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_batches=2, progress=False)
+
+
+def make_corpus(folder: Path, files: int = 12) -> list[Path]:
+    """A few small Python-like files with enough repetition for a BPE tokenizer to find merges."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(files):
+        body = "".join(f"def function_{i}_{j}(value, other={j}):\n    result = value * {j} + other\n"
+                       f"    if result > {i * j}:\n        return result - {i}\n    return str(result)\n\n"
+                       for j in range(20))
+        path = folder / f"module_{i:02d}.py"
+        path.write_text(f'"""Module {i}."""\nimport os\n\n' + body)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trainer_data")
+    files = make_corpus(root / "corpus")
+    train_bpe_tokenizer(files, 512, root / "tokenizer.json")
+    prepare_dataset([root / "corpus"], root / "tokenizer.json", root / "data", val_fraction=0.2, progress=False)
+    return root / "data"
+
+
+def _fit(dataset: Path, out: Path, on_step=None, **overrides) -> tuple[Trainer, list[dict]]:
+    records: list[dict] = []
+
+    def hook(trainer: Trainer, record: dict) -> None:
+        records.append(record)
+        if on_step is not None:
+            on_step(trainer, record)
+
+    args = dict(SMALL_RUN, data=str(dataset), out=str(out))
+    args.update(overrides)
+    trainer = Trainer(TrainConfig(**args), on_step=hook)
+    trainer.fit()
+    return trainer, records
+
+
+# ---- schedule, groups, balancing ------------------------------------------------------------------------------
+
+def test_schedule_warmup_cosine_and_indexer_stage() -> None:
+    s = Schedule(warmup=4, total=24, indexer_warmup=0, min_ratio=0.1)
+    assert [s.multiplier(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.multiplier(4) == pytest.approx(1.0)
+    assert s.multiplier(14) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s.multiplier(23) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 19 / 20)))
+    assert s.multiplier(100) == pytest.approx(0.1)
+    staged = Schedule(warmup=4, total=24, indexer_warmup=8)
+    # Stage 1 ramps up and holds; the main stage then warms up again from its first step.
+    assert [staged.multiplier(i) for i in range(8)] == [0.25, 0.5, 0.75, 1, 1, 1, 1, 1]
+    assert [staged.multiplier(8 + i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert staged.multiplier(23) < 0.2
+
+
+def test_parameter_groups(dataset: Path) -> None:
+    cfg = training_model_config("tiny", dataset / "tokenizer.json")
+    from openflash.model.transformer import Transformer
+    model = Transformer(cfg)
+    opt = TrainOptimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1, engram_lr_mult=5.0))
+    groups = {g["name"]: g for g in opt.adam.param_groups}
+    assert sorted(opt.names["engram"]) == ["layers.1.engram.embed.weight", "layers.2.engram.embed.weight"]
+    assert groups["engram"]["lr"] == pytest.approx(5e-3) and groups["engram"]["weight_decay"] == 0.0
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    assert "layers.0.attn_norm.weight" in opt.names["no_decay"] and "head.weight" in opt.names["decay"]
+    assert not any(n.endswith("gate.bias") for names in opt.names.values() for n in names)  # a buffer
+    opt.set_lr_multiplier(0.5)
+    assert groups["engram"]["lr"] == pytest.approx(2.5e-3) and opt.lr() == pytest.approx(5e-4)
+
+    muon = TrainOptimizer(model, OptimConfig(lr=1e-3, optimizer="muon"))
+    assert {"layers.0.attn.wq_a.weight", "layers.3.ffn.experts.5.w2.weight"} <= set(muon.names["muon"])
+    assert "head.weight" in muon.names["decay"] and "embed.weight" in muon.names["decay"]
+    assert muon.names["engram"] == opt.names["engram"]
+    with pytest.raises(OpenflashError, match="optimizer must be"):
+        TrainOptimizer(model, OptimConfig(optimizer="sgd"))
+
+
+def test_newton_schulz_orthogonalises() -> None:
+    g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    o = newton_schulz(g, steps=5)
+    s = torch.linalg.svdvals(o)
+    assert o.shape == g.shape and s.min() > 0.5 and s.max() < 1.3  # singular values pushed towards 1
+
+
+def test_router_bias_balancing(dataset: Path) -> None:
+    from openflash.model.transformer import Transformer
+    model = Transformer(training_model_config("tiny", dataset / "tokenizer.json")).train()
+    n_layers = len(model.layers)
+    assert expert_loads(model).shape == (n_layers, 8) and expert_loads(model).sum() == 0
+    x = torch.randint(3, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(x, x)
+    loads = expert_loads(model)
+    assert torch.equal(loads.sum(1), torch.full((n_layers,), 2 * 24 * 2.0))  # 2 experts per token
+    update_router_bias(model, loads, rate=0.01)
+    bias = model.layers[0].ffn.gate.bias
+    expected = 0.01 * torch.sign(loads[0].mean() - loads[0])
+    assert torch.equal(bias, expected)
+    reset_expert_loads(model)
+    assert expert_loads(model).sum() == 0
+    stats = load_stats(torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]]))
+    assert stats == {"load_max_mean": [1.0, 4.0], "load_max_mean_worst": 4.0}
+
+
+# ---- fused training ops ---------------------------------------------------------------------------------------
+
+def test_fused_ops_have_exact_gradients() -> None:
+    """The hand-written backward passes of the training path, against finite differences in float64."""
+    from torch.autograd import gradcheck
+
+    from openflash.model.attention import _DenseSinkAttention
+    from openflash.model.layers import _RMSNormFunction
+    from openflash.model.mhc import HcIn, HcOut, Sinkhorn, sinkhorn
+    from openflash.model.moe import _SwiGLU
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+
+    R, pre, fn = rand(2, 3, 4, 8), rand(2, 3, 4), rand(24, 32)
+    assert gradcheck(HcIn.apply, (R, pre, fn))
+    assert gradcheck(HcOut.apply, (rand(2, 3, 8), R, rand(2, 3, 4), rand(2, 3, 4, 4)))
+    logits = rand(2, 3, 4, 4)
+    assert gradcheck(lambda t: Sinkhorn.apply(t, 4, 1e-6), (logits,))
+    assert torch.allclose(Sinkhorn.apply(logits, 20, 1e-6), sinkhorn(logits, 20, 1e-6), atol=1e-12)
+    mask = torch.rand(2, 5, 7, generator=gen) > 0.3
+    assert gradcheck(lambda q, kv, sink: _DenseSinkAttention.apply(q, kv, mask, sink, 0.3)[0],
+                     (rand(2, 5, 3, 4), rand(2, 7, 4), rand(3)))
+    assert gradcheck(lambda x, w: _RMSNormFunction.apply(x, w, 1e-6), (rand(3, 5, 8), rand(8)))
+    assert gradcheck(lambda g, u, w: _SwiGLU.apply(g, u, w, 5.0), (rand(6, 8, scale=6), rand(6, 8, scale=6), rand(6)))
+
+
+def test_fused_training_forward_matches_unfused(dataset: Path) -> None:
+    """Whole model, train policy with and without the fused ops: same loss and gradients up to rounding. No cache
+    QDQ, all experts and all entries selected, so no discrete choice can flip on a rounding difference."""
+    from openflash.model.numerics import TRAIN
+    from openflash.model.transformer import Transformer
+
+    cfg = training_model_config("tiny", dataset / "tokenizer.json").replace(num_experts_per_tok=8, index_topk=32,
+                                                                             candidate_topk_blocks=8)
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    x = torch.randint(3, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    hash_ids = model.hash_ids(x, None)
+    results = []
+    for fused in (False, True):
+        model.set_numerics(dataclasses.replace(TRAIN, cache_qdq=False, fused_train_ops=fused))
+        model.zero_grad(set_to_none=True)
+        out = model(x, x, hash_ids=hash_ids)
+        (out.loss + 0.1 * out.indexer_loss).backward()
+        results.append((out.loss.item(), out.indexer_loss.item(),
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, kl_a, grads_a), (loss_b, kl_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6) and kl_a == pytest.approx(kl_b, rel=1e-4)
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_a.items():
+        scale = g.abs().max().item() + 1e-12
+        assert (g - grads_b[name]).abs().max().item() <= 1e-3 * scale, name
+
+
+def test_top_entries_select_matches_sorting() -> None:
+    from openflash.model.indexer import top_entries, top_entries_select
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        T = int(torch.randint(1, 40, (1,), generator=gen))
+        k = int(torch.randint(1, T + 1, (1,), generator=gen))
+        scores = torch.randint(-3, 4, (2, 5, T), generator=gen).float()  # many ties
+        scores[torch.rand(2, 5, T, generator=gen) < 0.3] = float("-inf")
+        n_visible = torch.randint(0, T + 1, (2, 5), generator=gen)
+        assert torch.equal(top_entries(scores, k, n_visible), top_entries_select(scores, k, n_visible))
+
+
+def test_thread_tuner_follows_step_times() -> None:
+    tuner = ThreadTuner((2, 1), every=4)
+    slow_two = {2: 5.0, 1: 1.0}  # another process holds a core: 2 threads spin and lose
+    used = []
+    for step in range(14):
+        threads = tuner.threads_for(step)
+        used.append(threads)
+        tuner.record(threads, slow_two[threads])
+    assert used[:3] == [2, 1, 2]  # warm-up step, then one probe step per candidate
+    assert used[3:].count(2) <= 2  # afterwards 2 threads only on (backed-off) probe steps
+    assert tuner.current == 1 and tuner.backoff[2] >= 2  # the loser is probed less often
+    fast_two = {2: 1.0, 1: 1.8}
+    for step in range(14, 40):
+        threads = tuner.threads_for(step)
+        tuner.record(threads, fast_two[threads])
+    assert tuner.current == 2
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------------
+
+def test_resume_reproduces_uninterrupted_run(dataset: Path, tmp_path: Path) -> None:
+    full, full_records = _fit(dataset, tmp_path / "full", steps=6, eval_every=3, save_every=0)
+
+    def interrupt_at_3(trainer: Trainer, record: dict) -> None:
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: finish the step, save, return
+
+    first, first_records = _fit(dataset, tmp_path / "split", on_step=interrupt_at_3, steps=6, eval_every=3,
+                                save_every=0)
+    assert first.step == 3 and [p.name for p in checkpoint_dirs(tmp_path / "split")] == ["step_00000003"]
+    second, second_records = _fit(dataset, tmp_path / "split", steps=6, eval_every=3, save_every=0, resume=True)
+    assert second.step == 6
+    full_losses = [r["loss_exact"] for r in full_records]
+    split_losses = [r["loss_exact"] for r in first_records + second_records]
+    assert split_losses == full_losses  # bitwise
+    for (name, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # metrics.jsonl of the resumed run holds each step once, and the validation points.
+    lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 3, 6]
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-4) for r in lines if "val_loss" in r)
+
+
+def test_metrics_checkpoint_and_generation(dataset: Path, tmp_path: Path) -> None:
+    trainer, records = _fit(dataset, tmp_path / "run", steps=3, eval_every=0, save_every=2)
+    r = records[-1]
+    for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "load_max_mean", "load_max_mean_worst",
+                "indexer_loss"):
+        assert key in r, key
+    assert len(r["load_max_mean"]) == len(trainer.model.layers) and all(v >= 1.0 for v in r["load_max_mean"])
+    assert math.isfinite(r["indexer_loss"]) and records[0]["lr"] == pytest.approx(1.5e-3)
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt.name == "step_00000003" and len(checkpoint_dirs(tmp_path / "run")) == 1  # older one removed
+    assert {p.name for p in ckpt.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE}
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp*"))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    vocab = load_tokenizer(dataset / "tokenizer.json").get_vocab_size(with_added_tokens=True)
+    assert saved["text_config"]["vocab_size"] == vocab and "image_token_id" not in saved
+    # The checkpoint is an ordinary model folder: the inference loader reads it and reproduces the weights.
+    model, _ = load_checkpoint(ckpt)
+    for name, t in trainer.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    from openflash.engine.generate import generate
+    from openflash.engine.sampling import SamplingParams
+    out = generate(model, load_tokenizer(ckpt / "tokenizer.json"), "def function_1", SamplingParams(max_tokens=5))
+    assert len(out.token_ids) == 5
+
+
+def test_indexer_warmup_trains_only_the_indexer(dataset: Path, tmp_path: Path) -> None:
+    snapshots = []
+
+    def snap(trainer: Trainer, record: dict) -> None:
+        snapshots.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    trainer, records = _fit(dataset, tmp_path / "iw", on_step=snap, steps=3, indexer_warmup=2, eval_every=0)
+    assert [r.get("stage") for r in records] == ["indexer_warmup", "indexer_warmup", None]
+    assert all(math.isfinite(r["indexer_loss"]) for r in records)
+    before, after = snapshots[0], snapshots[1]
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".attn.indexer." in k for k in changed)
+    assert any(k.endswith("indexer.wq_b.weight") for k in changed)
+    final = snapshots[2]
+    assert not torch.equal(after["layers.0.attn.wq_a.weight"], final["layers.0.attn.wq_a.weight"])
+    assert not torch.equal(after["layers.0.ffn.gate.bias"], final["layers.0.ffn.gate.bias"])  # balancing runs
+
+
+def test_muon_and_time_limit(dataset: Path, tmp_path: Path) -> None:
+    trainer, records = _fit(dataset, tmp_path / "muon", steps=50, optimizer="muon", max_minutes=1e-4,
+                            eval_every=0)
+    assert trainer.step == 1 and math.isfinite(records[0]["loss"])  # the deadline passed during step 1
+    assert latest_checkpoint(tmp_path / "muon").name == "step_00000001"
+
+
+def test_run_folder_errors(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(OpenflashError, match="no checkpoint"):
+        Trainer(TrainConfig(**SMALL_RUN, data=str(dataset), out=str(tmp_path / "new"), resume=True))
+    _fit(dataset, tmp_path / "run", steps=1, eval_every=0)
+    with pytest.raises(OpenflashError, match="already holds checkpoints"):
+        Trainer(TrainConfig(**SMALL_RUN, data=str(dataset), out=str(tmp_path / "run")))
+    with pytest.raises(OpenflashError, match="seq_len"):
+        Trainer(TrainConfig(**dict(SMALL_RUN, seq_len=64), data=str(dataset), out=str(tmp_path / "run"), resume=True))
+    with pytest.raises(OpenflashError, match="indexer-warmup"):
+        TrainConfig(data="d", out="o", steps=5, indexer_warmup=5)
+    with pytest.raises(OpenflashError, match="no prepared dataset"):
+        Trainer(TrainConfig(**SMALL_RUN, data=str(tmp_path / "nothing"), out=str(tmp_path / "x")))
+
+
+def test_cli_train(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cli"
+    def argv(steps: int, *extra: str) -> list[str]:
+        return ["train", "--config", "tiny", "--data", str(dataset), "--out", str(out), "--steps", str(steps),
+                "--batch-size", "2", "--seq-len", "32", "--eval-every", "1", "--save-every", "1", *extra]
+
+    assert cli_main(argv(2)) == 0
+    assert latest_checkpoint(out).name == "step_00000002"
+    assert cli_main(argv(4, "--resume")) == 0
+    assert latest_checkpoint(out).name == "step_00000004"
+    assert cli_main(argv(2)) == 2  # a second fresh run into the same folder is refused
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert cli_main(["plot", str(out)]) == 0 and (out / "loss.png").is_file()
