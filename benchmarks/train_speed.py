@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per preset (after 2 warm-up steps)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per preset (after 2 warm-up steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", default=str(RESULTS / "train_speed.json"))
     args = parser.parse_args()
@@ -138,13 +138,17 @@ def main() -> None:
     print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     for row in rows:
         row["mfu"] = row["model_flops_per_s"] / peak
+        row["mfu_best_step"] = row["model_flops_per_token"] * row["batch_size"] * row["seq_len"] / (
+            row["step_seconds_best"] * peak)
     print(f"{'preset':8s} {'batch x seq':>12s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} {'opt':>6s} {'tokens/s':>9s} "
-          f"{'MFLOP/tok':>10s} {'GFLOP/s':>8s} {'MFU':>6s}")
+          f"{'MFLOP/tok':>10s} {'GFLOP/s':>8s} {'MFU':>6s} {'best step':>10s}")
     for r in rows:
         print(f"{r['preset']:8s} {r['batch_size']:>5d} x {r['seq_len']:<5d} {r['step_seconds_median']:8.2f} "
               f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
               f"{r['tokens_per_s']:9.0f} {r['model_flops_per_token'] / 1e6:10.1f} {r['model_flops_per_s'] / 1e9:8.1f} "
-              f"{100 * r['mfu']:5.1f}%")
+              f"{100 * r['mfu']:5.1f}% {100 * r['mfu_best_step']:9.1f}%")
+    print("(step s, fwd, bwd, opt, tokens/s and MFU are medians over the timed steps; 'best step' is the MFU of the "
+          "fastest step)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,

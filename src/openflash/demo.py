@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from openflash.errors import OpenflashError
@@ -44,9 +44,10 @@ class DemoConfig:
     lr: float = 3e-3
     prompts: tuple[str, ...] = PROMPTS
     max_new_tokens: int = 48
-    temperature: float = 0.0  # greedy: reproducible completions
+    # Low-temperature sampling with a fixed seed: reproducible, and a small model's greedy output tends to loop.
+    temperature: float = 0.6
+    top_k: int = 40
     progress: bool = True
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def sequence_length(self) -> int:
@@ -95,6 +96,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary: dict = {"run_dir": str(run_dir), "preset": cfg.preset}
+    timings: dict[str, float] = {}
 
     # 1. corpus -------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -130,20 +132,20 @@ def run_demo(cfg: DemoConfig) -> dict:
     how = "cached" if manifest_done else f"tokenized in {time.perf_counter() - t1:.1f} s"
     _say(cfg, f"[3/5] dataset: {train_split.num_tokens:,} train / {val_split.num_tokens:,} validation tokens "
               f"({how}) -> {data_dir}")
-    cfg.timings["prepare"] = time.perf_counter() - t0
+    timings["prepare"] = time.perf_counter() - t0
     summary["train_tokens"], summary["val_tokens"] = train_split.num_tokens, val_split.num_tokens
 
     # 4. training ----------------------------------------------------------------------------------------------
     train_dir = run_dir / "train"
     t1 = time.perf_counter()
     summary.update(_train_stage(cfg, data_dir, train_dir))
-    cfg.timings["train"] = time.perf_counter() - t1
+    timings["train"] = time.perf_counter() - t1
 
     # 5. generation ----------------------------------------------------------------------------------------------
     t1 = time.perf_counter()
     summary["samples"] = _generate_stage(cfg, train_dir)
-    cfg.timings["generate"] = time.perf_counter() - t1
-    summary["timings"] = dict(cfg.timings)
+    timings["generate"] = time.perf_counter() - t1
+    summary["timings"] = timings
     return summary
 
 
@@ -191,9 +193,9 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
         raise OpenflashError(f"no checkpoint in {train_dir} to generate from")
     model, _ = load_checkpoint(checkpoint)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
-    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=0)
-    _say(cfg, f"[5/5] generation from {checkpoint} ({'greedy' if params.greedy else f'T={cfg.temperature}'}, "
-              f"{cfg.max_new_tokens} tokens each)")
+    params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens, seed=0)
+    how = "greedy" if params.greedy else f"temperature {cfg.temperature}, top-k {cfg.top_k}, seed 0"
+    _say(cfg, f"[5/5] generation from {checkpoint} ({how}, up to {cfg.max_new_tokens} tokens each)")
     samples = []
     for prompt in cfg.prompts:
         result = generate(model, tokenizer, prompt, params)

@@ -51,8 +51,15 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
         net.set_numerics(NUMERICS[numerics]).eval()
         return net, tok, f"preset '{model}' with random weights (outputs are noise)"
     from openflash.checkpoint import load_checkpoint
+    from openflash.train.trainer import latest_checkpoint
 
     folder = Path(model)
+    if folder.is_dir() and not (folder / "config.json").exists():
+        # a training run folder: serve its latest checkpoint
+        latest = latest_checkpoint(folder)
+        if latest is None:
+            raise OpenflashError(f"{folder}: neither a checkpoint (no config.json) nor a training run with checkpoints")
+        folder = latest
     tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
     net, report = load_checkpoint(folder, device=device, numerics=numerics,
                                   tokenizer_path=tok_path if tok_path.exists() else None)
