@@ -56,7 +56,10 @@ def test_demo_stages_cache_and_continue(tmp_path: Path, capsys: pytest.CaptureFi
         a["completion"] == b["completion"] for a, b in zip(first["samples"], second["samples"]))
 
     # A larger budget continues the same run from its checkpoint.
-    third = run_demo(_config(tmp_path, corpus, minutes=0.1))
+    # (the budget is set from what the first run trained, so a slow first step cannot use it all up)
+    from openflash.train.trainer import read_trainer_state
+    trained = float(read_trainer_state(ckpt)["trained_seconds"])
+    third = run_demo(_config(tmp_path, corpus, minutes=(trained + 4.0) / 60))
     out = capsys.readouterr().out
     assert f"[4/5] training: continuing from {ckpt.name}" in out
     assert third["steps"] > first["steps"]
