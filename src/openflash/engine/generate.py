@@ -54,11 +54,12 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
     from openflash.train.trainer import latest_checkpoint
 
     folder = Path(model)
-    if folder.is_dir() and not (folder / "config.json").exists():
+    if folder.is_dir() and not (folder / "model.safetensors").exists() and not (folder / "model.safetensors.index.json").exists():
         # a training run folder: serve its latest checkpoint
         latest = latest_checkpoint(folder)
         if latest is None:
-            raise OpenflashError(f"{folder}: neither a checkpoint (no config.json) nor a training run with checkpoints")
+            raise OpenflashError(f"{folder}: neither a checkpoint (no model.safetensors) nor a training run with "
+                                 f"checkpoints")
         folder = latest
     tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
     net, report = load_checkpoint(folder, device=device, numerics=numerics,
