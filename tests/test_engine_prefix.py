@@ -6,25 +6,17 @@ import pytest
 import torch
 
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.generate import load_for_inference
+
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is bound by per-op overhead; one intra-op thread is as fast and does not collapse when the
-    machine is shared (OpenMP threads spinning against other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok, _ = load_for_inference("tiny", numerics="plain")
-    return model, tok
+def tiny(tiny_engine_model):
+    return tiny_engine_model
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -75,14 +75,7 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is bound by per-op overhead; one intra-op thread is as fast and does not collapse when the
-    machine is shared (OpenMP threads spinning against other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
