@@ -269,25 +269,22 @@ class OpenflashServer:
             job.abort_unfinished()
             raise
         created, name = int(time.time()), self.config.model_name
-        if body.stream:
-            def chunk_of(choice: _Choice, out: RequestOutput) -> str:
-                text = out.text
-                if choice.echo_pending:
-                    choice.echo_pending, text = False, choice.prefix + text
-                ch = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason)
-                return CompletionResponse(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
 
-            def usage_chunk() -> str:
-                return CompletionResponse(id=rid, created=created, model=name, choices=[],
-                                          usage=job.usage(body.n)).model_dump_json()
+        def chunk_of(choice: _Choice, out: RequestOutput) -> str:
+            text = out.text
+            if choice.echo_pending:
+                choice.echo_pending, text = False, choice.prefix + text
+            ch = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason)
+            return CompletionResponse(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
 
-            return StreamingResponse(self.events(job, chunk_of, usage_chunk if body.include_usage() else None),
-                                     media_type="text/event-stream")
-        await self.collect(job, request)
-        if (err := job.failure()) is not None:
-            raise err
-        choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in job.choices]
-        return CompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
+        def full() -> CompletionResponse:
+            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
+                       for c in job.choices]
+            return CompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
+
+        usage_chunk = lambda: CompletionResponse(id=rid, created=created, model=name, choices=[],  # noqa: E731
+                                                 usage=job.usage(body.n)).model_dump_json()
+        return await self.reply(job, body, request, chunk_of, usage_chunk, full)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
@@ -305,29 +302,36 @@ class OpenflashServer:
             job.abort_unfinished()
             raise
         created, name = int(time.time()), self.config.model_name
+        started: set[int] = set()
+
+        def chunk_of(choice: _Choice, out: RequestOutput) -> str:
+            delta = DeltaMessage(content=out.text)
+            if choice.index not in started:
+                started.add(choice.index)
+                delta.role = "assistant"
+            ch = ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason)
+            return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
+
+        def full() -> ChatCompletionResponse:
+            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                  finish_reason=c.finish_reason) for c in job.choices]
+            return ChatCompletionResponse(id=rid, created=created, model=name, choices=choices,
+                                          usage=job.usage(body.n))
+
+        usage_chunk = lambda: ChatCompletionChunk(id=rid, created=created, model=name, choices=[],  # noqa: E731
+                                                  usage=job.usage(body.n)).model_dump_json()
+        return await self.reply(job, body, request, chunk_of, usage_chunk, full)
+
+    async def reply(self, job: "_Job", body: Any, request: Request, chunk_of: Any, usage_chunk: Any,
+                    full: Any) -> Any:
+        """Stream the job as server-sent events, or wait for it and return the full response."""
         if body.stream:
-            started: set[int] = set()
-
-            def chunk_of(choice: _Choice, out: RequestOutput) -> str:
-                delta = DeltaMessage(content=out.text)
-                if choice.index not in started:
-                    started.add(choice.index)
-                    delta.role = "assistant"
-                ch = ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason)
-                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
-
-            def usage_chunk() -> str:
-                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[],
-                                           usage=job.usage(body.n)).model_dump_json()
-
             return StreamingResponse(self.events(job, chunk_of, usage_chunk if body.include_usage() else None),
                                      media_type="text/event-stream")
         await self.collect(job, request)
         if (err := job.failure()) is not None:
             raise err
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
-                   for c in job.choices]
-        return ChatCompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
+        return full()
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
