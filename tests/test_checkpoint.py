@@ -90,8 +90,16 @@ def test_fp32_round_trip_is_exact_and_sharded(tmp_path):
         want = model(ids).logits
     for name in ("one", "many"):
         loaded, _ = load_checkpoint(tmp_path / name, numerics="plain")
+        # What the round trip guarantees: every stored tensor comes back bit for bit.
+        original = model.state_dict()
+        for key, tensor in loaded.state_dict().items():
+            assert tensor.dtype == original[key].dtype and torch.equal(tensor.view(-1).view(torch.uint8),
+                                                                       original[key].view(-1).view(torch.uint8)), key
+        # Logits are not bitwise: the loaded weights sit elsewhere in memory (safetensors mappings are not 64-byte
+        # aligned), and the BLAS may pick another kernel for them, moving the last bits (seen on AVX2 machines).
+        # Identical weights leave only fp32 summation-order differences: ~1e-6 relative over 128-wide dots.
         with torch.no_grad():
-            assert torch.equal(loaded(ids).logits, want)
+            torch.testing.assert_close(loaded(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_save_uses_official_layout_and_loads(tmp_path):
@@ -130,4 +138,6 @@ def test_engram_tables_can_be_left_to_an_external_tier():
     full, _ = load_checkpoint(GOLDEN_A)
     ids = torch.tensor(json.loads((GOLDEN_A / "inputs.json").read_text())["input_ids"])
     a, b = model.new_cache(1), full.new_cache(1)
-    assert torch.equal(model.step(ids, a, hash_ids=memory.prepare(ids, a)), full.step(ids, b))
+    # Two model instances: same rows and weights, but separately placed tensors (see the fp32 round trip above).
+    torch.testing.assert_close(model.step(ids, a, hash_ids=memory.prepare(ids, a)), full.step(ids, b),
+                               rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Engram tiers in the running model: every placement gives bit-identical logits to `device` (engram.md §5)."""
+"""Engram tiers in the running model: every placement gives the same logits as `device` (engram.md §5): bit for bit
+within one process, to fp32 rounding across processes."""
 
 from __future__ import annotations
 
@@ -316,6 +317,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _same_logits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Logits of another process: the rows are the same bits, but the worker runs 1 intra-op thread and the parent
+    may run more, and the BLAS may split its sums differently (last-bit differences; a wrong row moves logits by
+    ~1e-1). Within one process and thread count, the tests above compare bit for bit."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _sharded_worker(rank: int, port: int, out_dir: str, base: Transformer, want: torch.Tensor,
                     checkpoint_dir: Path) -> None:
     torch.set_num_threads(1)
@@ -325,16 +333,16 @@ def _sharded_worker(rank: int, port: int, out_dir: str, base: Transformer, want:
         with EngramMemory.attach(model, "sharded") as memory:
             local = memory.tables[0].weight.shape[0]
             results["half the rows"] = local == -(-model.cfg.engram_num_embeddings[0] // 2)
-            results["logits"] = torch.equal(run(model, memory), want)
-            results["speculated logits"] = torch.equal(run(model, memory, k=2), want)
+            results["logits"] = _same_logits(run(model, memory), want)
+            results["speculated logits"] = _same_logits(run(model, memory, k=2), want)
             # A lookup the prefetch did not prepare still works (through the worker, in the same order on
             # both ranks).
-            results["fallback"] = torch.equal(model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH)),
-                                              want[0])
+            results["fallback"] = _same_logits(model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH)),
+                                               want[0])
             results["counted"] = memory.stats()["fallbacks"] == 2
         model = copy.deepcopy(base)
         with EngramMemory.attach(model, "sharded", checkpoint_dir=checkpoint_dir) as memory:  # reads its block only
-            results["from checkpoint"] = torch.equal(run(model, memory), want)
+            results["from checkpoint"] = _same_logits(run(model, memory), want)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ a few stdlib files here, so that text prompts and chat messages map to ids the m
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -101,11 +102,11 @@ def stack(tmp_path_factory):
             os.environ["OPENFLASH_CACHE"] = old_cache
 
 
-def make_app(model, tok, **engine_kw):
+def make_app(model, tok, server_kw=None, **engine_kw):
     config = dict(max_batch=32, max_context=MAX_CONTEXT, prefill_chunk=32, max_step_tokens=256)
     engine = LLMEngine(model, tok, EngineConfig(**{**config, **engine_kw}))
     template = ChatTemplate.for_tokenizer(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    return engine, build_app(engine, tok, ServerConfig(NAME, template, drain_timeout=2.0))
+    return engine, build_app(engine, tok, ServerConfig(NAME, template, drain_timeout=2.0, **(server_kw or {})))
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +260,138 @@ def test_error_responses(live):
     assert idle(engine)
 
 
+def _raw_requests(port: int, bodies: list[tuple[str, bytes]]) -> list[tuple[int, bytes]]:
+    """POST each (path, JSON bytes) in turn over ONE kept-alive connection; (status, body) of each. Fails if the
+    server closes the connection early."""
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        reader = sock.makefile("rb")
+        for path, body in bodies:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            status_line = reader.readline()
+            assert status_line, "the server closed the connection"
+            headers = {}
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                key, _, value = line.decode().partition(":")
+                headers[key.strip().lower()] = value.strip()
+            out.append((int(status_line.split()[1]), reader.read(int(headers["content-length"]))))
+            assert headers.get("connection") != "close"
+    return out
+
+
+def test_lone_surrogates_are_400s_naming_the_field_and_keep_the_connection(live):
+    server, engine = live
+    cases = [
+        ("/v1/completions", b'{"model": "tiny-test", "prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny-test", "prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt.1"),
+        ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x\\ud800"}]}',
+         "messages.0.content"),
+        ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [{"role": "user", "content": '
+                                 b'[{"type": "text", "text": "\\ud83d"}]}]}', "messages.0.content.0.text"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny-test", "prompt": "x", "stop": ["\\ud800"], "max_tokens": 1}', "stop.0"),
+        ("/v1/completions", b'{"model": "tiny-\\ud800", "prompt": "x", "max_tokens": 1}', "model"),
+    ]
+    good = ("/tokenize", b'{"prompt": "import os"}')
+    replies = _raw_requests(server.port, [item for path, body, _ in cases for item in ((path, body), good)])
+    for (path, body, field), (status, reply), (good_status, _) in zip(cases, replies[::2], replies[1::2]):
+        err = json.loads(reply)["error"]
+        assert status == 400 and err["param"] == field and err["code"] == "invalid_text", (body, err)
+        assert "surrogate" in err["message"] and field in err["message"]
+        assert good_status == 200  # the same connection serves the next request
+    assert idle(engine)
+
+
+def test_invalid_values_that_used_to_pass(live):
+    server, engine = live
+    url = server.url
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stop_token_ids": [2**70]})
+    assert r.status_code == 400 and _error(r)["param"] == "stop_token_ids"
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stop_token_ids": [5, 1024]})
+    assert r.status_code == 400 and "1024" in _error(r)["message"]
+    for field in ("stream", "echo", "ignore_eos"):
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", field: "yes"})
+        assert r.status_code == 422 and _error(r)["param"] == field, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "stream": 1,
+                                                        "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 422 and _error(r)["param"] == "stream"
+    # Echoed values are cut: a 1 MiB model name does not come back as a 1 MB error.
+    r = httpx.post(url + "/v1/completions", json={"model": "m" * (1 << 20), "prompt": "x"})
+    assert r.status_code == 404 and len(r.content) < 4096 and "1048576 characters" in _error(r)["message"]
+    assert idle(engine)
+
+
+def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
+    model, tok = stack
+    engine, app = make_app(model, tok, server_kw=dict(max_request_bytes=64 << 10))
+    with LiveServer(app) as server:
+        big = {"model": NAME, "prompt": "x = 1\n" * (200 << 10), "max_tokens": 1}
+        r = httpx.post(server.url + "/v1/completions", json=big, timeout=30)
+        assert r.status_code == 413 and _error(r)["code"] == "request_too_large" and "65536" in _error(r)["message"]
+
+        def chunked():  # no Content-Length: the limit applies to the streamed bytes
+            yield b'{"model": "tiny-test", "prompt": "'
+            for _ in range(100):
+                yield b"y" * 4096
+            yield b'"}'
+
+        r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+        assert httpx.get(server.url + "/health").status_code == 200
+    # The default limit (4 MiB) refuses a 10 MiB prompt before reading it.
+    engine, app = make_app(model, tok)
+    with LiveServer(app) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": NAME, "prompt": "z" * (10 << 20), "max_tokens": 1})
+        assert r.status_code == 413 and str(4 << 20) in _error(r)["message"]
+
+
+def test_tokenization_runs_off_the_event_loop(stack):
+    """While one request is being tokenized, /health answers: the tokenizer runs in a worker thread."""
+    model, tok = stack
+    tokenizing, release = threading.Event(), threading.Event()
+
+    class BlockingTokenizer:  # the real tokenizer, held at encode_batch until the test lets go
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_batch(self, *args, **kwargs):
+            tokenizing.set()
+            assert release.wait(30)
+            return tok.encode_batch(*args, **kwargs)
+
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
+    template = ChatTemplate.for_tokenizer(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    app = build_app(engine, BlockingTokenizer(), ServerConfig(NAME, template, drain_timeout=2.0))
+    with LiveServer(app) as server, ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + "/tokenize", json={"prompt": "import os"}, timeout=60)
+        assert tokenizing.wait(30)
+        try:
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        finally:
+            release.set()
+        assert pending.result().json()["tokens"] == tok.encode("import os").ids
+
+
+def test_api_key(stack):
+    model, tok = stack
+    engine, app = make_app(model, tok, server_kw=dict(api_key="s3cret"))
+    with LiveServer(app) as server:
+        url = server.url
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key", (headers, r.text)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200  # stays open (load balancers)
+        with pytest.raises(openai.AuthenticationError):
+            server.client().models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=NAME, prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
 def test_queue_full_is_429(stack):
     model, tok = stack
     engine, app = make_app(model, tok, max_waiting=1)
@@ -347,6 +480,12 @@ def test_openflash_serve_command(tmp_path):
         assert [m.id for m in client.models.list().data] == ["tiny"]
         out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
         assert out.usage.completion_tokens == 2
+        # Any text works on a preset: it comes with a tokenizer that fits its vocabulary.
+        out = client.completions.create(model="tiny", prompt="def fibonacci(n): 😀", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "héllo, 世界"}],
+                                              max_tokens=2)
+        assert chat.usage.completion_tokens == 2
     finally:
         proc.send_signal(signal.SIGINT)
         log, _ = proc.communicate(timeout=60)

@@ -1,11 +1,12 @@
-"""Data-parallel training: 2 CPU processes (gloo) give the same losses and weights as 1 process with the same global
-batch.
+"""Data-parallel training: 2 CPU processes (gloo) agree with 1 process on the same global batch.
 
-The ranks' gradients are averaged after backward, so the sums run in a different order than in one process (a
-rounding-level difference). The model has discrete choices (expert routing, index top-k, candidate blocks) that
-such a difference can flip at a near-tie, after which the runs legitimately diverge; the comparison therefore uses
-the tiny preset with every expert and every compressed entry selected, and two steps: the FP8/FP4 cache QDQ of the
-training forward is discrete too, so longer runs drift apart at the quantisation boundaries.
+What must agree, and how closely: the ranks' gradients are averaged after backward, so their sums run in another
+order than in one process, and each rank's matmuls see half the rows (the BLAS may pick other kernels). So the first
+step's reduced gradients and the losses agree to fp32 summation error, not bitwise. Weights after a step are not
+compared: Adam's first update is about lr * sign(g), so a gradient entry near zero whose sign flips on rounding moves
+its weight by 2 lr (seen on an AVX2 machine); and the model's discrete choices (expert routing, index top-k, FP8
+rounding of activations) can flip at near-ties once weights differ. The tiny preset runs with every expert and every
+compressed entry selected, so the first step has no routing choice to flip.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from openflash.config import load_config
 from openflash.train.data import prepare_dataset
 from openflash.train.tokenizer import train_bpe_tokenizer
-from openflash.train.trainer import TrainConfig, Trainer, fit_data_parallel, latest_checkpoint
+from openflash.train.trainer import TrainConfig, Trainer, fit_data_parallel, reduced_gradients
 
 
 def make_dataset(root: Path) -> Path:
@@ -39,25 +39,34 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
     args = dict(config=str(tmp_path / "smooth.json"), data=str(data), steps=2, batch_size=4, seq_len=32, warmup=1,
                 lr=1e-3, eval_every=0, eval_batches=1, progress=False)
     single_records: list[dict] = []
+    single_grads: dict[str, torch.Tensor] = {}
+
+    def on_step(trainer: Trainer, record: dict) -> None:
+        single_records.append(record)
+        if record["step"] == 1:
+            single_grads.update(reduced_gradients(trainer))
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:
-        Trainer(TrainConfig(**args, out=str(tmp_path / "one")),
-                on_step=lambda trainer, record: single_records.append(record)).fit()
+        Trainer(TrainConfig(**args, out=str(tmp_path / "one")), on_step=on_step).fit()
     finally:
         torch.set_num_threads(threads)
-    multi = fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "two")), world_size=2)
+    multi = fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "two")), world_size=2,
+                              first_step_grads=tmp_path / "grads.pt")
+    multi_grads = torch.load(tmp_path / "grads.pt")
 
     assert multi["step"] == 2 and len(multi["records"]) == 2
+    assert single_grads.keys() == multi_grads.keys() and single_grads
+    for name, g in single_grads.items():
+        # fp32 sums over 2 x 64 tokens in another order: relative error ~1e-6 of the gradient's norm; 1e-4 leaves
+        # room for the odd FP8 activation rounding flip and still catches a missing or doubled rank (error ~1).
+        err = float((multi_grads[name] - g).norm())
+        assert err <= 1e-4 * float(g.norm()) + 1e-9, (name, err, float(g.norm()))
     for a, b in zip(single_records, multi["records"]):
         assert abs(a["loss_exact"] - b["loss_exact"]) < 1e-5, (a["loss_exact"], b["loss_exact"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
         assert a["load_max_mean"] == b["load_max_mean"]  # expert loads were summed over the ranks
-    one = load_file(str(latest_checkpoint(tmp_path / "one") / "model.safetensors"))
-    two = load_file(str(latest_checkpoint(tmp_path / "two") / "model.safetensors"))
-    assert one.keys() == two.keys()
-    for name in one:  # within 5% of one Adam step (lr)
-        assert torch.allclose(one[name], two[name], rtol=0, atol=0.05 * args["lr"]), name
     # Only rank 0 wrote the run folder.
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
                                                                      "train_args.json"]

@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     serve.add_argument("--numerics", default="fp32", choices=["fp32", "plain"],
                        help="fp32: the model's FP8/FP4 quantization points; plain: no quantization")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
+                            "OPENFLASH_API_KEY environment variable; /health and /metrics stay open)")
+    serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                       help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
 
     plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")

@@ -18,7 +18,7 @@ from openflash.config import PRESETS, load_config
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import load_tokenizer
+from openflash.memory.tokenmap import load_tokenizer, preset_tokenizer
 from openflash.model.transformer import Transformer
 
 
@@ -42,7 +42,7 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
     """(model, tokenizer, note) from a checkpoint folder, or a preset with random weights (for smoke tests)."""
     if model in PRESETS:
         cfg = load_config(model)
-        tok = load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
         net = Transformer(cfg).to(device)
         if cfg.engram_layer_ids:

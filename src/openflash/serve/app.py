@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import tempfile
 import time
 import uuid
@@ -40,11 +41,13 @@ from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
 from openflash.serve import metrics as prom
 from openflash.serve.chat_template import ChatTemplate
+from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
 from openflash.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                       CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
                                       DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                      PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+                                      LONE_SURROGATE, PromptTokensDetails, TokenizeRequest, TokenizeResponse,
+                                      Usage)
 
 log = logging.getLogger("openflash.serve")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
@@ -57,7 +60,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        body = ErrorResponse(error=ErrorInfo(message=safe_text(self.message), type=self.type,
+                                             param=None if self.param is None else safe_text(self.param, 200),
+                                             code=self.code))
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
@@ -68,6 +73,8 @@ class ServerConfig:
     default_max_tokens: int = 256  # chat requests without max_tokens: this, capped by the context left
     drain_timeout: float = 10.0  # seconds running requests get to finish at shutdown
     disconnect_poll: float = 0.25  # seconds between client-disconnect checks of non-streaming requests
+    max_request_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
+    api_key: str | None = None  # when set, /v1, /tokenize and /detokenize need "Authorization: Bearer <key>"
 
 
 @dataclass
@@ -146,10 +153,15 @@ class OpenflashServer:
     # ---- request -> engine ----------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {self.config.model_name!r}",
+            raise APIError(404, f"model {clip(name)} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 
     def sampling(self, body: Any, max_tokens: int, choice: int) -> SamplingParams:
+        vocab = self.engine.cfg.vocab_size
+        bad = next((t for t in body.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: token id {clip(bad)} is outside the model's vocabulary "
+                                f"(0..{vocab - 1})", param="stop_token_ids", code="invalid_token")
         seed = None if body.seed is None else body.seed + choice
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         params = SamplingParams(temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -173,7 +185,7 @@ class OpenflashServer:
                            code="context_length_exceeded")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
+            raise APIError(400, f"prompt token id {clip(bad)} is outside the model's vocabulary (0..{vocab - 1})",
                            param=param, code="invalid_token")
 
     def submit(self, job: _Job, ids: list[int], params: SamplingParams, ignore_eos: bool, param: str,
@@ -194,20 +206,30 @@ class OpenflashServer:
                 raise APIError(422, str(exc), param=field, code="invalid_value") from None
             raise APIError(400, str(exc), param=param) from None
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Called in a worker thread (see `off_loop`); encode_batch releases the GIL while the
+        Rust tokenizer runs, so the event loop keeps serving other requests during a long prompt."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str):
-            return [self.tokenizer.encode(p).ids]
+            return [self.encode(p)]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
-        return [self.tokenizer.encode(x).ids if isinstance(x, str) else list(x) for x in p]
+        return [self.encode(x) if isinstance(x, str) else list(x) for x in p]
 
     def chat_prompt(self, messages: list[Any]) -> list[int]:
         try:
             text = self.config.chat_template.render(messages)
         except ValueError as exc:
             raise APIError(422, str(exc), param="messages", code="invalid_value") from None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    async def off_loop(fn: Any, *args: Any) -> Any:
+        """Run tokenization (or another CPU-bound step) in a worker thread, not on the event loop."""
+        return await asyncio.to_thread(fn, *args)
 
     # ---- waiting for results ------------------------------------------------------------------------------------
     async def collect(self, job: _Job, request: Request) -> None:
@@ -255,7 +277,7 @@ class OpenflashServer:
     # ---- endpoints --------------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
-        prompts = self.completion_prompts(body)
+        prompts = await self.off_loop(self.completion_prompts, body)
         for ids in prompts:
             self.check_ids(ids, "prompt")
         job, rid = _Job(self.engine), f"cmpl-{uuid.uuid4().hex}"
@@ -288,7 +310,7 @@ class OpenflashServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
-        ids = self.chat_prompt(body.messages)
+        ids = await self.off_loop(self.chat_prompt, body.messages)
         self.check_ids(ids, "messages")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
@@ -333,12 +355,12 @@ class OpenflashServer:
             raise err
         return full()
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if body.messages is not None:
-            ids = self.chat_prompt(body.messages)
+            ids = await self.off_loop(self.chat_prompt, body.messages)
         else:
-            ids = self.tokenizer.encode(body.prompt).ids
+            ids = await self.off_loop(self.encode, body.prompt)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
@@ -346,7 +368,7 @@ class OpenflashServer:
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = next((t for t in body.tokens if not 0 <= t < size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the tokenizer's vocabulary (0..{size - 1})",
+            raise APIError(400, f"token id {clip(bad)} is outside the tokenizer's vocabulary (0..{size - 1})",
                            param="tokens", code="invalid_token")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
@@ -362,6 +384,8 @@ def _validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
             return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
                             code="invalid_json")
     e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if e.get("type") == LONE_SURROGATE:
+        return APIError(400, str(e.get("msg")), param=e.get("ctx", {}).get("param") or None, code="invalid_text")
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     # Union members add their type name to the location (e.g. prompt.str); keep the field path.
     loc = [p for p in loc if p not in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "function-after")
@@ -379,7 +403,9 @@ def _validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
 
 
 def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, manage_engine: bool = True) -> FastAPI:
-    """The app; with manage_engine it starts the engine thread at startup and shuts the engine down at exit."""
+    """The app; with manage_engine it starts the engine thread at startup and shuts the engine down at exit.
+
+    Guards, outermost first: the body limit, the API key (when configured), then the last-resort error handler."""
     server = OpenflashServer(engine, tokenizer, config)
 
     @contextlib.asynccontextmanager
@@ -403,13 +429,14 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
+        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+    # Added last = outermost. ErrorGuard sits inside the others so that their refusals never reach it.
+    app.add_middleware(ErrorGuard)
+    if config.api_key:
+        app.add_middleware(ApiKey, key=config.api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -435,7 +462,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return server.tokenize(body)
+        return await server.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -489,6 +516,8 @@ def cli_serve(args: Any) -> int:
     from openflash.engine.generate import load_for_inference
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_request_bytes < 1:
+        raise OpenflashError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
@@ -508,7 +537,8 @@ def cli_serve(args: Any) -> int:
         max_waiting=args.max_waiting, engram_speculate=args.engram_speculate if memory is not None else 0), memory)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     template = ChatTemplate.for_tokenizer(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    config = ServerConfig(model_name=name, chat_template=template)
+    config = ServerConfig(model_name=name, chat_template=template, max_request_bytes=args.max_request_bytes,
+                          api_key=args.api_key or os.environ.get("OPENFLASH_API_KEY") or None)
     app = build_app(engine, tokenizer, config)
     stats = engine.stats()
     log.info("model %r: max batch %d, context %d, prefill %s, global cache %.0f B/token (%s), Engram %s",

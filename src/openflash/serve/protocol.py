@@ -10,12 +10,53 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 StopType = Union[str, list[str], None]
+LONE_SURROGATE = "invalid_text"  # the error type the server turns into a 400 naming the field
 
 
-class _Request(BaseModel):
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, int] | None:
+    """(field path, character index, code point) of the first lone UTF-16 surrogate in a decoded JSON value.
+
+    JSON allows escapes such as "\\ud800" that decode to a str no UTF-8 text can hold; the tokenizer (and any
+    UTF-8 encoder) fails on them, so requests carrying one are refused up front."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # in C: fast even for a prompt of megabytes
+        except UnicodeEncodeError as bad:
+            return path, bad.start, ord(value[bad.start])
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = find_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _TextChecked(BaseModel):
+    """Refuses any string holding a lone surrogate, naming the field (see find_lone_surrogate)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            where, index, code = found
+            raise PydanticCustomError(LONE_SURROGATE, "{param}: character {index} is a lone UTF-16 surrogate "
+                                      "(U+{code}), which is not valid text",
+                                      {"param": where, "index": index, "code": f"{code:04X}"})
+        return data
+
+
+class _Request(_TextChecked):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -23,7 +64,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
     n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     stop: StopType = None
     stop_token_ids: list[int] | None = None
@@ -31,7 +72,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     user: str | None = None
 
     @field_validator("stop")
@@ -68,7 +109,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -123,7 +164,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -156,7 +197,7 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TextChecked):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
@@ -169,7 +210,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_TextChecked):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]

@@ -606,24 +606,39 @@ class Trainer:
 # Data parallel without torchrun
 
 
-def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str) -> None:
+def reduced_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The gradients the last optimizer step used (averaged over the ranks, clipped), by parameter name."""
+    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str, grads_path: str | None) -> None:
     records: list[dict[str, Any]] = []
-    result = Trainer(TrainConfig(**cfg_dict), ctx, on_step=lambda trainer, record: records.append(record)).fit()
+
+    def on_step(trainer: Trainer, record: dict[str, Any]) -> None:
+        records.append(record)
+        if grads_path is not None and record["step"] == 1 and ctx.is_main:
+            torch.save(reduced_gradients(trainer), grads_path)
+
+    result = Trainer(TrainConfig(**cfg_dict), ctx, on_step=on_step).fit()
     if ctx.is_main:
         Path(records_path).write_text(json.dumps({"records": records, "step": result.step,
                                                   "stopped_by": result.stopped_by,
                                                   "val_loss": result.val_loss}))
 
 
-def fit_data_parallel(cfg: TrainConfig, world_size: int, threads_per_rank: int = 1) -> dict[str, Any]:
+def fit_data_parallel(cfg: TrainConfig, world_size: int, threads_per_rank: int = 1,
+                      first_step_grads: str | Path | None = None) -> dict[str, Any]:
     """Train `cfg` with `world_size` local processes (gloo on 127.0.0.1), as torchrun would; returns rank 0's
-    per-step records and final step."""
+    per-step records and final step. `first_step_grads`: a file to save the first step's reduced gradients to
+    (`reduced_gradients`), for comparing data parallel with one process."""
     from openflash.train.distributed import spawn
 
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     records_path = Path(cfg.out) / f".spawn_records_{os.getpid()}.json"
+    grads_path = None if first_step_grads is None else str(first_step_grads)
     try:
-        spawn(_spawned_fit, world_size, asdict(cfg), str(records_path), threads_per_rank=threads_per_rank)
+        spawn(_spawned_fit, world_size, asdict(cfg), str(records_path), grads_path,
+              threads_per_rank=threads_per_rank)
         return json.loads(records_path.read_text())
     finally:
         records_path.unlink(missing_ok=True)
@@ -654,4 +669,4 @@ def cli_train(args: argparse.Namespace) -> int:
 
 
 __all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config", "latest_checkpoint", "checkpoint_dirs",
-           "read_trainer_state", "fit_data_parallel", "cli_train"]
+           "read_trainer_state", "fit_data_parallel", "reduced_gradients", "cli_train"]
