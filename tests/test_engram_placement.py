@@ -4,7 +4,9 @@ within one process, to fp32 rounding across processes."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from openflash.checkpoint import save_checkpoint
 from openflash.config import load_config
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.placement import EngramMemory
-from openflash.memory.tables import DiskTable, export_engram_tables, table_file_name, write_table_file
+from openflash.memory.tables import (DiskTable, export_engram_tables, read_table_header, table_file_name,
+                                     write_table_file)
 from openflash.model.transformer import Transformer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"  # a checkpoint of another tiny config (Engram layers 0, 3)
@@ -262,7 +265,7 @@ def _table_copy(table_dir: Path, dest: Path, layer_id: int, rows: int | None = N
     for path in table_dir.iterdir():
         (dest / path.name).write_bytes(path.read_bytes())
     with DiskTable.open(table_dir / table_file_name(layer_id), None, None, None) as good:
-        data = good._data[: rows or good.num_rows]
+        data = good.read_records(0, rows or good.num_rows)
         write_table_file(dest / table_file_name(layer_id), data[:, :good.dim].copy(), data[:, good.dim:].copy(),
                          fingerprint or good.header.layout_fingerprint)
     return dest
@@ -284,27 +287,43 @@ def test_wrong_table_files_fail_clearly(base, table_dir, tmp_path):
         assert model.row_source is None and model.layers[lid].engram.embed.released is None, name
 
 
-class _FailingRows:
-    """Stands in for a table's memory-mapped rows: every read fails like a bad disk sector."""
-
-    def take(self, *args, **kwargs):
-        raise OSError(5, "Input/output error")
+def _bad_sector(*args, **kwargs):
+    """Stands in for os.preadv: fails like a bad disk sector."""
+    raise OSError(5, "Input/output error")
 
 
-def test_read_error_fails_that_step(base, reference, table_dir):
+def test_read_error_fails_that_step(base, reference, table_dir, monkeypatch):
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "disk", table_dir=table_dir) as memory:
         cache, ids = model.new_cache(BATCH), prompt(model.cfg.vocab_size)
         assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
         disk = memory.tables[1]
-        good, disk._data = disk._data, _FailingRows()
         ids = next_tokens(reference[0], 0)
-        message = re.escape(f"{disk.path}: read error in rows ") + ".*Input/output error"
-        with pytest.raises(EngramTableError, match=message):
+        message = re.escape(f"{disk.path.parent}/engram_layer") + r"\d+\.oftable: read error in rows .*Input/output error"
+        with monkeypatch.context() as patch, pytest.raises(EngramTableError, match=message):
+            patch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
             model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
-        disk._data = good  # the memory is usable again: a new sequence gives the right logits
+        # the memory is usable again: a new sequence gives the right logits
         assert torch.equal(run(model, memory), reference)
         assert memory.stats()["stale"] == 0
+
+
+def test_table_truncated_while_in_use_fails_the_step_not_the_process(base, reference, table_dir, tmp_path):
+    """A table file cut short under a running model: the lookup fails with the file named (a mapped file would
+    have killed the process with SIGBUS), and the memory works again once the file is whole."""
+    folder = tmp_path / "tables"
+    shutil.copytree(table_dir, folder)
+    model = copy.deepcopy(base)
+    with EngramMemory.attach(model, "disk", table_dir=folder) as memory:
+        cache, ids = model.new_cache(BATCH), prompt(model.cfg.vocab_size)
+        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
+        path = memory.tables[1].path
+        whole = path.read_bytes()
+        os.truncate(path, read_table_header(path).data_offset + 64)
+        with pytest.raises(EngramTableError, match=re.escape(f"{path}: truncated while in use")):
+            run(model, memory)
+        path.write_bytes(whole)
+        assert torch.equal(run(model, memory), reference)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -262,25 +262,21 @@ def test_row_cache_accounting(table_bytes, table_file):
         assert (uncached.stats.hits, uncached.stats.misses, uncached.stats.hit_rate) == (0, 2, 0.0)
 
 
-class _FailingRows:
-    """Stands in for the memory-mapped rows: every read fails like a bad disk sector."""
-
-    shape = (ROWS, RECORD)
-
-    def take(self, *args, **kwargs):
-        raise OSError(5, "Input/output error")
+def _bad_sector(*args, **kwargs):
+    """Stands in for os.preadv: every read fails like a bad disk sector."""
+    raise OSError(5, "Input/output error")
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_read_error_surfaces_as_table_error(table_file, parallel):
+def test_read_error_surfaces_as_table_error(table_file, parallel, monkeypatch):
     with DiskTable.open(table_file, ROWS, DIM, FINGERPRINT, io_threads=2) as disk:
-        good = disk._data
-        disk._data = _FailingRows()
         if parallel:
             disk.parallel_min_rows = 2
-        with pytest.raises(EngramTableError, match=rf"{table_file}: read error in rows 5\.\.\d+.*Input/output"):
+        with monkeypatch.context() as patch, \
+                pytest.raises(EngramTableError, match=rf"{table_file}: read error in rows 5\.\.\d+.*Input/output"):
+            patch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
             disk.gather(torch.tensor([9, 5, 700, 5]))
-        disk._data = good  # a later gather works again and nothing bad was cached
+        # a later gather works again and nothing bad was cached
         assert disk.gather(torch.tensor([5])).shape == (1, DIM)
 
 
@@ -463,7 +459,7 @@ def test_prefetcher_returns_direct_rows_and_records_waits(table_bytes, table_fil
                 prefetcher.submit(hash_ids[:, :, :1])
 
 
-def test_prefetch_errors_are_table_errors(table_bytes, table_file):
+def test_prefetch_errors_are_table_errors(table_bytes, table_file, monkeypatch):
     weight, scale = table_bytes
     with DiskTable.open(table_file, ROWS, DIM, FINGERPRINT) as disk:
         tables = {0: _BrokenTable(HostTable(weight, scale), 0.0), 1: disk}
@@ -471,7 +467,8 @@ def test_prefetch_errors_are_table_errors(table_bytes, table_file):
             prefetch = prefetcher.submit(random_ids((1, 2, 2, 6)))
             with pytest.raises(EngramTableError, match="layer position 0 failed: RuntimeError: device lost"):
                 prefetch.rows(0)
-            disk._data = _FailingRows()  # a file read error in the background arrives as the table's own error
+            # a file read error in the background arrives as the table's own error
+            monkeypatch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
             prefetch = prefetcher.submit(random_ids((1, 2, 2, 6)))
             with pytest.raises(EngramTableError, match=f"{table_file}: read error"):
                 prefetch.rows(1)

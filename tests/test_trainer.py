@@ -319,3 +319,37 @@ def test_cli_train(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture)
     assert cli_main(argv(2)) == 2  # a second fresh run into the same folder is refused
     assert "already holds checkpoints" in capsys.readouterr().err
     assert cli_main(["plot", str(out)]) == 0 and (out / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (lambda ckpt: (ckpt / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda ckpt: (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:5000]),
+     "model.safetensors: unreadable safetensors file"),
+    (lambda ckpt: (ckpt / "model.safetensors").write_bytes(b"\x00" * 64), "unreadable safetensors file"),
+    (lambda ckpt: (ckpt / "config.json").write_text(
+        (ckpt / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 96')),
+     "weights do not match"),
+    (lambda ckpt: (ckpt / STATE_FILE).write_bytes(b"garbage"), "unreadable trainer state"),
+])
+def test_resume_from_a_damaged_checkpoint_is_one_line(dataset: Path, tmp_path: Path, capsys, damage, expected):
+    out = tmp_path / "run"
+
+    def argv(steps: int, *extra: str) -> list[str]:
+        return ["train", "--config", "tiny", "--data", str(dataset), "--out", str(out), "--steps", str(steps),
+                "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--save-every", "1", *extra]
+
+    assert cli_main(argv(1)) == 0
+    damage(latest_checkpoint(out))
+    capsys.readouterr()
+    assert cli_main(argv(2, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0] and str(latest_checkpoint(out)) in err[0], err
+
+
+def test_partial_checkpoint_folders_are_removed_at_start(dataset: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    partial = out / "checkpoints" / ".tmp_step_00000007_12345"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"half")
+    _fit(dataset, out, steps=1)
+    assert not partial.exists() and latest_checkpoint(out).name == "step_00000001"

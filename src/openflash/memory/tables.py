@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import struct
 import threading
@@ -487,12 +486,12 @@ class RowCache:
 
 
 class DiskTable:
-    """A memory-mapped table file with an LRU row cache and a small pool of reader threads.
+    """A table file read with positioned reads (os.preadv), an LRU row cache and a small pool of reader threads.
 
-    Rows are gathered by unique id (each row read once per call), served from the cache when present, otherwise
-    read from the mapping with `np.take` (which releases the GIL, so the pool overlaps page faults). Note: an I/O
-    error on a mapped page arrives as SIGBUS, not OSError; the size check at `open` rules out the common cause
-    (a truncated file), and OSErrors raised by the read path are reported as EngramTableError.
+    Rows are gathered by unique id (each row read once per call, runs of consecutive rows in one read), served from
+    the cache when present, otherwise read from the file; preadv releases the GIL, so the pool overlaps I/O. Reads
+    rather than a memory mapping: a mapped file that shrinks under the process turns the next access into SIGBUS,
+    which kills it; a read just comes back short, and that becomes an EngramTableError naming the file.
     """
 
     def __init__(self, path: Path, header: TableHeader, cache_bytes: int = 0, io_threads: int = 4,
@@ -507,12 +506,9 @@ class DiskTable:
         self.cache = RowCache(cache_bytes, self.record_bytes)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if hasattr(mmap, "MADV_RANDOM"):  # rows are scattered: kernel read-ahead would only waste I/O
-            self._mmap.madvise(mmap.MADV_RANDOM)
-        self._data = np.frombuffer(self._mmap, dtype=np.uint8, count=header.rows * self.record_bytes,
-                                   offset=header.data_offset).reshape(header.rows, self.record_bytes)
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):  # rows are scattered: kernel read-ahead would only waste I/O
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     @classmethod
     def open(cls, path: str | Path, expected_rows: int | None, expected_dim: int | None,
@@ -545,10 +541,36 @@ class DiskTable:
     # -- reads ---------------------------------------------------------------------------------------------
 
     def _read_range(self, ids: np.ndarray) -> np.ndarray:
-        try:
-            return np.take(self._data, ids, axis=0)
-        except OSError as exc:
-            raise EngramTableError(f"{self.path}: read error in rows {int(ids[0])}..{int(ids[-1])}: {exc}") from exc
+        """Records of sorted unique `ids`: one positioned read per run of consecutive rows."""
+        records = np.empty((len(ids), self.record_bytes), dtype=np.uint8)
+        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+        for start, end in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(ids)]))):
+            first, last = int(ids[start]), int(ids[end - 1])
+            self._read_at(self.header.data_offset + first * self.record_bytes,
+                          memoryview(records[start:end]).cast("B"), first, last)
+        return records
+
+    def read_records(self, first: int, count: int) -> np.ndarray:
+        """Raw records [count, record_bytes] of rows first..first+count-1, bypassing the cache (inspection)."""
+        if not 0 <= first <= first + count <= self.num_rows:
+            raise EngramTableError(f"{self.path}: rows {first}..{first + count - 1} are outside 0..{self.num_rows - 1}")
+        return self._read_range(np.arange(first, first + count, dtype=np.int64))
+
+    def _read_at(self, offset: int, buffer: memoryview, first: int, last: int) -> None:
+        """Fill `buffer` from the file at `offset` (rows first..last), or fail naming the file."""
+        fd, done = self._fd, 0
+        if fd is None:
+            raise EngramTableError(f"{self.path}: the table is closed")
+        while done < len(buffer):
+            try:
+                n = os.preadv(fd, [buffer[done:]], offset + done)
+            except OSError as exc:
+                raise EngramTableError(f"{self.path}: read error in rows {first}..{last}: {exc}") from exc
+            if n == 0:
+                size = os.fstat(fd).st_size
+                raise EngramTableError(f"{self.path}: truncated while in use: rows {first}..{last} lie past its end "
+                                       f"(the file has {size} bytes now, {self.header.file_bytes} expected)")
+            done += n
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         """Records of sorted unique `ids`, split over the thread pool when many are needed."""
@@ -569,7 +591,7 @@ class DiskTable:
     def _records(self, unique_ids: np.ndarray, count: bool) -> tuple[np.ndarray, int]:
         """(records of sorted unique ids, number of rows newly put in the cache). `count`: a gather's lookup
         (counted as hits / misses) rather than a warm-up."""
-        if self._data is None:
+        if self._fd is None:
             raise EngramTableError(f"{self.path}: the table is closed")
         records = np.empty((len(unique_ids), self.record_bytes), dtype=np.uint8)
         with self._lock:
@@ -619,29 +641,20 @@ class DiskTable:
 
     def drop_page_cache(self) -> bool:
         """Ask the kernel to forget this file's cached pages (cold-cache benchmarks). Best effort: returns True
-        when the advice calls succeeded; the kernel may still keep pages that are in use."""
+        when the advice call succeeded; the kernel may still keep pages that are in use."""
         try:
-            if hasattr(mmap, "MADV_DONTNEED"):
-                self._mmap.madvise(mmap.MADV_DONTNEED)  # drop our own mapping's pages first
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return True
-        except (OSError, AttributeError):
+        except (OSError, AttributeError, TypeError):
             return False
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._mmap is not None and not self._mmap.closed:
-            self._data = None
-            try:
-                self._mmap.close()
-            except BufferError:  # rows handed out earlier still view the mapping; it closes when they go
-                pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> "DiskTable":
         return self

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -65,6 +66,8 @@ PLAN_AT_STEPS = (4, 12, 30, 60, 100)
 
 # Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
 RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup")
+
+log = logging.getLogger("openflash.train")
 
 
 @dataclass
@@ -155,6 +158,40 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def remove_partial_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Delete the `.tmp_step_*` folders a save killed mid-write left behind (never read: a checkpoint becomes
+    visible only by its final rename); returns what was removed."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    removed = sorted(root.glob(".tmp_step_*")) if root.is_dir() else []
+    for partial in removed:
+        log.info("removing %s, left by a checkpoint save that did not finish", partial)
+        shutil.rmtree(partial, ignore_errors=True)
+    return removed
+
+
+def read_checkpoint_weights(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of a training checkpoint, checked against the model its config.json builds; every problem is
+    an OpenflashError naming the file."""
+    if (checkpoint / INDEX_FILE).exists():
+        raise OpenflashError(f"{checkpoint}: sharded training checkpoints are not supported")
+    path = checkpoint / SINGLE_FILE
+    if not path.is_file():
+        raise OpenflashError(f"{path} is missing: the checkpoint is incomplete")
+    try:
+        weights = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own types for a damaged header or short file
+        raise OpenflashError(f"{path}: unreadable safetensors file ({exc})") from None
+    problems = [f"missing {n}" for n in expected if n not in weights]
+    problems += [f"unexpected {n}" for n in weights if n not in expected]
+    problems += [f"{n} has shape {list(t.shape)}, config.json gives {list(expected[n].shape)}"
+                 for n, t in weights.items() if n in expected and t.shape != expected[n].shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise OpenflashError(f"{path}: weights do not match {checkpoint / 'config.json'}: "
+                             f"{'; '.join(problems[:3])}{more}")
+    return weights
+
+
 def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
     path = Path(checkpoint) / STATE_FILE
     if not path.is_file():
@@ -162,7 +199,8 @@ def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged pickle / zip
-        raise OpenflashError(f"{path}: unreadable trainer state ({exc})") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OpenflashError(f"{path}: unreadable trainer state ({first})") from None
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -253,6 +291,8 @@ class Trainer:
         self.val_data = TokenDataset(cfg.data, "val")
         self.tokenizer_path = self.train_data.tokenizer_path
 
+        if self.ctx.is_main:
+            remove_partial_checkpoints(self.run_dir)
         resume_from = latest_checkpoint(self.run_dir)
         if cfg.resume and resume_from is None:
             raise OpenflashError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINTS_DIR} (start without "
@@ -563,14 +603,12 @@ class Trainer:
 
     def _load(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
-        if (checkpoint / INDEX_FILE).exists():
-            raise OpenflashError(f"{checkpoint}: sharded training checkpoints are not supported")
-        weights = load_file(str(checkpoint / SINGLE_FILE))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise OpenflashError(f"{checkpoint}: weights do not match the model (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]})")
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise OpenflashError(f"{checkpoint / STATE_FILE}: optimizer state does not fit the model ({exc})") \
+                from None
         self.schedule.load_state_dict(state["schedule"])
         # --steps may extend (or shorten) a resumed run; a time-budgeted run re-plans its steps after calibrating.
         self.schedule.total = self.cfg.steps if not self.cfg.steps_from_budget else int(state["step"]) + self.cfg.steps
