@@ -141,3 +141,18 @@ def test_engram_tables_can_be_left_to_an_external_tier():
     # Two model instances: same rows and weights, but separately placed tensors (see the fp32 round trip above).
     torch.testing.assert_close(model.step(ids, a, hash_ids=memory.prepare(ids, a)), full.step(ids, b),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors", "link.safetensors"])
+def test_index_may_not_name_files_outside_the_folder(tmp_path, shard):
+    from openflash.memory.tables import CheckpointTables
+
+    folder, tensors = _copy_golden(tmp_path)
+    save_file(tensors, str(tmp_path / "outside.safetensors"))
+    (folder / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    weight_map = {name: shard for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for load in (load_checkpoint, CheckpointTables):
+        with pytest.raises(CheckpointError, match="outside the checkpoint folder") as err:
+            load(folder)
+        assert str(folder / "model.safetensors.index.json") in str(err.value)

@@ -487,3 +487,26 @@ def test_speculate_warms_disk_caches(table_bytes, table_file):
             prefetch.rows(1)
             assert (disk.stats.hits, disk.stats.misses) == (2, 0)
             assert prefetcher.stats.speculations == 2 and prefetcher.stats.rows_warmed == 4
+
+
+def test_export_float_tables_of_a_trained_checkpoint(tmp_path):
+    """`openflash train` saves fp32 tables without scales; export quantizes them to the FP8 row format, the same
+    rows the in-memory quantization (DeviceTable.to_fp8) gives, so the disk tier serves a model trained here."""
+    from openflash.checkpoint import save_checkpoint
+    from openflash.config import load_config
+    from openflash.memory.frontend import EngramFrontend
+    from openflash.memory.tokenmap import preset_tokenizer
+    from openflash.model.transformer import Transformer
+
+    cfg = load_config("tiny")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", dtype="fp32")
+    assert "layers.1.engram.embed.scale" not in load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    paths = export_engram_tables(tmp_path / "ckpt", tmp_path / "tables", chunk_rows=1000)
+    fingerprint = EngramFrontend.for_config(cfg, preset_tokenizer(cfg)).layout.layout_fingerprint()
+    for lid, rows, path in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings, paths):
+        want = model.layers[lid].engram.embed.to_fp8()
+        with DiskTable.open(path, rows, cfg.engram_head_dim, fingerprint) as disk:
+            every = torch.arange(rows)
+            assert same_bits(disk.gather(every), want.gather(every))

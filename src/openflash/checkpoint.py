@@ -20,6 +20,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -32,9 +33,8 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import load_tokenizer
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import Transformer
+from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
 UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
 
@@ -70,29 +70,25 @@ class _TensorFiles:
         self.folder = folder
         index, single = folder / INDEX_FILE, folder / SINGLE_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {exc}") from None
+            weight_map = read_weight_map(folder)
             files = sorted(set(weight_map.values()))
         elif single.exists():
-            files = [SINGLE_FILE]
+            files = [single]
             weight_map = None
         else:
             raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
-        self.handles = {}
-        self.where: dict[str, str] = {}
-        for name in files:
-            path = folder / name
+        self.handles: dict[Path, Any] = {}
+        self.where: dict[str, Path] = {}
+        for path in files:
             if not path.exists():
                 raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing")
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from None
-            self.handles[name] = handle
+            self.handles[path] = handle
             for key in handle.keys():
-                self.where[key] = name
+                self.where[key] = path
         if weight_map is not None:
             listed, found = set(weight_map), set(self.where)
             if listed != found:

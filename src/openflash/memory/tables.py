@@ -42,6 +42,7 @@ from torch import nn
 
 from openflash.errors import CheckpointError, ConfigError, EngramTableError
 from openflash.formats import as_uint8, dequantize_fp8_rows, encode_window_fp8
+from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 SCALE_BLOCK = 32  # one UE8M0 scale per 32 consecutive values of a row (engram.md §5)
 UE8M0_ONE = 127  # scale byte of 2^0: the padding value of sharded scale blocks (checkpoint.md §6)
@@ -808,30 +809,61 @@ def engram_tensor_names(layer_id: int) -> tuple[str, str]:
     return f"layers.{layer_id}.engram.embed.weight", f"layers.{layer_id}.engram.embed.scale"
 
 
+_FLOAT_TABLE_DTYPES = ("F32", "BF16", "F16")
+
+
+class _QuantizedFloatRows:
+    """A float Engram table (as `openflash train` saves it: fp32, no scale tensor) read as the checkpoint's FP8 row
+    format, chunk by chunk: `codes` and `scales` are two row sources over one quantization of each chunk."""
+
+    def __init__(self, source: Any, dim: int) -> None:
+        self.source, self.rows, self.dim = source, int(source.get_shape()[0]), dim
+        self._chunk: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
+
+    def _quantized(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._chunk is None or self._chunk[0] != (start, stop):
+            # the rule DeviceTable.to_fp8 uses, so an exported table equals the quantized in-memory one
+            codes, scales = encode_window_fp8(self.source[start:stop].float())
+            self._chunk = ((start, stop), codes, scales)
+        return self._chunk[1], self._chunk[2]
+
+    class _Part:
+        def __init__(self, owner: "_QuantizedFloatRows", which: int, width: int) -> None:
+            self.owner, self.which, self.width = owner, which, width
+
+        def get_shape(self) -> list[int]:
+            return [self.owner.rows, self.width]
+
+        def __getitem__(self, rows: slice) -> torch.Tensor:
+            start, stop, _ = rows.indices(self.owner.rows)
+            return self.owner._quantized(start, stop)[self.which]
+
+    def parts(self) -> tuple[Any, Any]:
+        return self._Part(self, 0, self.dim), self._Part(self, 1, self.dim // SCALE_BLOCK)
+
+
 class CheckpointTables:
-    """Lazy access to the Engram tables of a safetensors checkpoint (one file, or shards + index json)."""
+    """Lazy access to the Engram tables of a safetensors checkpoint (one file, or shards + index json).
+
+    Tables are FP8 rows with UE8M0 scales (the official layout), or float without a scale (checkpoints that
+    `openflash train` writes), which are quantized to FP8 rows as they are read."""
 
     def __init__(self, checkpoint_dir: str | Path) -> None:
         from safetensors import safe_open
 
         self.dir = Path(checkpoint_dir)
         self.spec = read_engram_spec(self.dir)
-        index, single = self.dir / "model.safetensors.index.json", self.dir / "model.safetensors"
+        index, single = self.dir / INDEX_FILE, self.dir / SINGLE_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: cannot read weight_map: {exc}") from exc
+            weight_map = read_weight_map(self.dir)
         elif single.is_file():
             weight_map = None
         else:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
         wanted = [name for lid in self.spec.layer_ids for name in engram_tensor_names(lid)]
         if weight_map is not None:
-            missing = [name for name in wanted if name not in weight_map]
-            if missing:
-                raise CheckpointError(f"{index}: missing Engram tensors {missing}")
-            files = {name: self.dir / weight_map[name] for name in wanted}
+            present = [name for name in wanted if name in weight_map]
+            files = {name: weight_map[name] for name in present}
         else:
             files = {name: single for name in wanted}
         self._handles: dict[Path, Any] = {}
@@ -845,10 +877,16 @@ class CheckpointTables:
                     self._handles[file] = safe_open(str(file), framework="pt")
                 except Exception as exc:  # safetensors raises its own error types for bad headers
                     raise CheckpointError(f"{file}: cannot open safetensors file: {exc}") from exc
-            if name not in self._handles[file].keys():
-                missing.append(f"{name} (in {file.name})")
-                continue
-            self._slices[name] = self._handles[file].get_slice(name)
+            if name in self._handles[file].keys():
+                self._slices[name] = self._handles[file].get_slice(name)
+        self._float: dict[int, _QuantizedFloatRows] = {}
+        for lid in self.spec.layer_ids:
+            weight_name, scale_name = engram_tensor_names(lid)
+            weight = self._slices.get(weight_name)
+            if weight is not None and scale_name not in self._slices and weight.get_dtype() in _FLOAT_TABLE_DTYPES:
+                self._float[lid] = _QuantizedFloatRows(weight, self.spec.dim)
+            else:
+                missing += [name for name in (weight_name, scale_name) if name not in self._slices]
         if missing:
             raise CheckpointError(f"{self.dir}: missing Engram tensors {missing}")
         for position, lid in enumerate(self.spec.layer_ids):
@@ -858,13 +896,21 @@ class CheckpointTables:
         dim = self.spec.dim
         for name, dtype, shape in zip(engram_tensor_names(layer_id), ("F8_E4M3", "F8_E8M0"),
                                       ([rows, dim], [rows, dim // SCALE_BLOCK])):
+            if layer_id in self._float:
+                if name.endswith(".scale"):
+                    continue
+                dtype = self._slices[name].get_dtype()  # any float dtype; quantized when read
             found_shape, found_dtype = list(self._slices[name].get_shape()), self._slices[name].get_dtype()
+            if found_dtype == "U8" and dtype == "F8_E8M0":
+                found_dtype = dtype  # the same bits, as some writers store UE8M0 scales
             if found_shape != shape or found_dtype != dtype:
                 raise CheckpointError(f"{self.dir}: tensor {name} is {found_dtype} {found_shape}, expected "
                                       f"{dtype} {shape} (engram_num_embeddings / engram_head_dim in config.json)")
 
     def slices(self, layer_id: int) -> tuple[Any, Any]:
-        """(weight, scale) safetensors slices of one layer; index them with [start:stop] to read rows."""
+        """(weight, scale) row sources of one layer in the FP8 row format; index them with [start:stop]."""
+        if layer_id in self._float:
+            return self._float[layer_id].parts()
         w, s = engram_tensor_names(layer_id)
         return self._slices[w], self._slices[s]
 
