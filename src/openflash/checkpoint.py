@@ -33,6 +33,7 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import load_tokenizer
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import Transformer
+from openflash.manifest import verify_manifest, write_manifest
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 # Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
@@ -113,15 +114,18 @@ def _expected_dtype(tensor: torch.Tensor) -> str:
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
                     tokenizer_path: str | Path | None = None,
-                    skip_engram_tables: bool = False) -> tuple[Transformer, LoadReport]:
+                    skip_engram_tables: bool = False, verify: bool = False) -> tuple[Transformer, LoadReport]:
     """Build the model of a checkpoint folder and load its weights; returns (model in eval mode, report).
 
     skip_engram_tables: leave the Engram tables (`layers.N.engram.embed.*`, 189 GiB released) unread, on the meta
     device, for a host / disk / sharded tier to serve (memory/placement.py); their names and shapes are still checked.
+    verify: first check every file against the folder's checksums.sha256 (manifest.py); off by default.
     """
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
+    if verify:
+        verify_manifest(folder)
     cfg = load_config(folder)
     files = _TensorFiles(folder)
     with torch.device("meta"):
@@ -269,6 +273,7 @@ def save_checkpoint(model: Transformer, path: str | Path, *, dtype: str = "fp32"
     _atomic_write_text(folder / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     if tokenizer_json is not None:
         _atomic_write_text(folder / "tokenizer.json", Path(tokenizer_json).read_text())
+    write_manifest(folder)
     return folder
 
 

@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+    gen.add_argument("--verify", action="store_true",
+                     help="check the checkpoint against its checksums.sha256 first (loading does not, unless asked)")
 
     serve = _add(sub, "serve", "openflash.serve.app:cli_serve", "run the OpenAI-compatible HTTP server")
     serve.add_argument("--model", required=True, help="checkpoint folder or preset name")
@@ -170,11 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     serve.add_argument("--numerics", default="fp32", choices=["fp32", "plain"],
                        help="fp32: the model's FP8/FP4 quantization points; plain: no quantization")
+    serve.add_argument("--verify", action="store_true",
+                       help="check the checkpoint (and --engram-table-dir) against their checksums.sha256 first")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
                             "OPENFLASH_API_KEY environment variable; /health and /metrics stay open)")
     serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
                        help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
+
+    verify = _add(sub, "verify", "openflash.manifest:cli_verify",
+                  "check a checkpoint or Engram table folder against its checksums.sha256")
+    verify.add_argument("path", help="checkpoint folder or `openflash engram export` folder")
+    verify.add_argument("--write", action="store_true", help="record checksums for the folder as it is now")
 
     plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")

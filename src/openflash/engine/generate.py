@@ -38,8 +38,9 @@ class GenerationResult:
 
 
 def load_for_inference(model: str, tokenizer: str | None = None, numerics: str = "fp32",
-                       device: str = "cpu") -> tuple[Transformer, Tokenizer, str]:
-    """(model, tokenizer, note) from a checkpoint folder, or a preset with random weights (for smoke tests)."""
+                       device: str = "cpu", verify: bool = False) -> tuple[Transformer, Tokenizer, str]:
+    """(model, tokenizer, note) from a checkpoint folder, or a preset with random weights (for smoke tests).
+    verify: check the checkpoint's files against its checksums.sha256 before loading."""
     if model in PRESETS:
         cfg = load_config(model)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
@@ -63,7 +64,7 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
         folder = latest
     tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
     net, report = load_checkpoint(folder, device=device, numerics=numerics,
-                                  tokenizer_path=tok_path if tok_path.exists() else None)
+                                  tokenizer_path=tok_path if tok_path.exists() else None, verify=verify)
     tok = load_tokenizer(tok_path if tok_path.exists() else None)
     return net, tok, report.summary()
 
@@ -110,7 +111,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
 
 
 def cli_generate(args: Any) -> int:
-    model, tok, note = load_for_inference(args.model, args.tokenizer)
+    model, tok, note = load_for_inference(args.model, args.tokenizer, verify=args.verify)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     result = generate(model, tok, args.prompt, params)

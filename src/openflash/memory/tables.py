@@ -42,6 +42,7 @@ from torch import nn
 
 from openflash.errors import CheckpointError, ConfigError, EngramTableError
 from openflash.formats import as_uint8, dequantize_fp8_rows, encode_window_fp8
+from openflash.manifest import write_manifest
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 SCALE_BLOCK = 32  # one UE8M0 scale per 32 consecutive values of a row (engram.md §5)
@@ -963,6 +964,7 @@ def export_engram_tables(checkpoint_dir: str | Path, out_dir: str | Path, chunk_
         paths.append(path)
         if on_table is not None:
             on_table(ExportedTable(layer_id, path, header.rows, header.file_bytes, time.perf_counter() - start))
+    write_manifest(out_dir)
     return paths
 
 

@@ -39,6 +39,7 @@ from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError,
                                       QueueFullError, RequestOutput)
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
+from openflash.manifest import verify_manifest
 from openflash.serve import metrics as prom
 from openflash.serve.chat_template import ChatTemplate
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
@@ -479,7 +480,7 @@ DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
 
 
 def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
-                   cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4) -> Any:
+                   cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> Any:
     """An Engram memory tier for --engram-placement other than device (memory/placement.py). The disk tier reads
     `<model folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
     from openflash.memory.placement import EngramMemory
@@ -499,6 +500,8 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, ta
     folder = Path(table_dir) if table_dir else Path(model_arg) / "engram_tables"
     if table_dir and not folder.is_dir():
         raise OpenflashError(f"--engram-table-dir {table_dir}: not a folder (write one with `openflash engram export`)")
+    if verify and folder.is_dir():
+        log.info("%s", verify_manifest(folder).summary())
     if not folder.is_dir():
         folder = scratch
         fingerprint = model.engram_frontend.layout.layout_fingerprint()
@@ -521,14 +524,14 @@ def cli_serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    model, tokenizer, note = load_for_inference(args.model, args.tokenizer, numerics=args.numerics)
+    model, tokenizer, note = load_for_inference(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:
         log.info("loaded %s: %s", args.model, note)
     scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
     memory = _attach_engram(model, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
-                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads) \
+                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads, args.verify) \
         if args.engram_placement != "device" else None
     engine = LLMEngine(model, tokenizer, EngineConfig(
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,

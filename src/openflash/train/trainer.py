@@ -46,6 +46,7 @@ from tqdm import tqdm
 from openflash.checkpoint import INDEX_FILE, SINGLE_FILE, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
+from openflash.manifest import write_manifest
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
@@ -591,6 +592,7 @@ class Trainer:
                 shutil.rmtree(tmp)
             save_checkpoint(self.model, tmp, dtype="fp32", tokenizer_json=self.tokenizer_path)
             torch.save(self.state_dict(), tmp / STATE_FILE)
+            write_manifest(tmp)  # again, now covering the trainer state too
             if final.exists():  # a stale copy of this step (e.g. from a run that was resumed earlier)
                 shutil.rmtree(final)
             os.replace(tmp, final)
