@@ -16,6 +16,7 @@ import torch
 from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
+from openflash.manifest import MANIFEST_FILE, verify_manifest
 from openflash.train.data import prepare_dataset
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)
@@ -252,7 +253,9 @@ def test_metrics_checkpoint_and_generation(dataset: Path, tmp_path: Path) -> Non
     assert math.isfinite(r["indexer_loss"]) and records[0]["lr"] == pytest.approx(1.5e-3)
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt.name == "step_00000003" and len(checkpoint_dirs(tmp_path / "run")) == 1  # older one removed
-    assert {p.name for p in ckpt.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE}
+    assert {p.name for p in ckpt.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE,
+                                               MANIFEST_FILE}
+    verify_manifest(ckpt)  # the trainer state is covered too
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp*"))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     vocab = load_tokenizer(dataset / "tokenizer.json").get_vocab_size(with_added_tokens=True)

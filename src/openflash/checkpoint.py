@@ -14,6 +14,7 @@ implement (vision tower, DSpark draft stages) are listed and skipped, never sile
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -30,11 +31,13 @@ from openflash import formats
 from openflash.config import FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import load_tokenizer
+from openflash.memory.tokenmap import TokenMap, load_tokenizer
 from openflash.model.numerics import NUMERICS, Numerics
-from openflash.model.transformer import Transformer
 from openflash.manifest import verify_manifest, write_manifest
+from openflash.model.transformer import Transformer
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
+
+log = logging.getLogger("openflash.checkpoint")
 
 # Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
 UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
@@ -46,6 +49,10 @@ _FLOAT_ST = ("BF16", "F32", "F16")
 _FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)"
                          r"\.weight$")
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
+# A checkpoint may carry its own Engram token map (models whose tokenizer is not DeepSeek's): TokenMap.from_file.
+TOKEN_MAP_FILE = "engram_token_map.npy"
+# Tensors a text-only writer leaves out of a config that has a vision tower: (pattern, why zeros are right).
+_ZERO_IF_ABSENT = ((re.compile(r"ffn\.gate\.bias_vl$"), "the router's image-token bias; zeros route images like text"),)
 _F32_NAMES = re.compile(r"(attn_sink|gate\.bias|gate\.bias_vl|hc_(attn|ffn)_(fn|base|scale))$")
 
 
@@ -135,6 +142,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
 
     problems: list[str] = []
     present = set(files.names())
+    zero_filled: list[str] = []
+    state: dict[str, torch.Tensor] = {}
     for name in sorted(present):
         prefix = next((p for p in UNIMPLEMENTED_PREFIXES if name.startswith(p)), None)
         if prefix is not None:
@@ -143,13 +152,18 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
             continue
         if name not in expected and not (name.endswith("wo_a.scale") and name[:-5] + "weight" in expected):
             problems.append(f"unexpected tensor {name}")
-    state: dict[str, torch.Tensor] = {}
     for name, meta in expected.items():
         if name not in present:
-            problems.append(f"missing tensor {name}")
+            if any(pattern.search(name) for pattern, _ in _ZERO_IF_ABSENT):
+                state[name] = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+                zero_filled.append(name)
+            else:
+                problems.append(f"missing tensor {name}")
             continue
         dtype, shape = files.info(name)
         want_dtype = _expected_dtype(meta)
+        if dtype == "U8" and want_dtype == "F8_E8M0":
+            dtype = want_dtype  # UE8M0 scales stored as plain bytes by some writers: the same bits
         wo_a_fp8 = name.endswith("wo_a.weight") and dtype == "F8_E4M3"
         if list(meta.shape) != shape:
             problems.append(f"tensor {name} has shape {shape}, expected {list(meta.shape)}")
@@ -178,17 +192,26 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
             tensor = tensor.to(torch.bfloat16)
         if want_dtype == "F32" and meta.is_floating_point():
             tensor = tensor.to(torch.float32)
+        elif want_dtype == "F8_E8M0" and tensor.dtype == torch.uint8:
+            tensor = tensor.view(torch.float8_e8m0fnu)
         state[name] = tensor.to(device)
     if problems:
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
         raise CheckpointError(f"{folder}: checkpoint does not match the config ({len(problems)} problems):\n  "
                               f"{shown}{more}")
+    if zero_filled:
+        why = "; ".join(reason for pattern, reason in _ZERO_IF_ABSENT if any(pattern.search(n) for n in zero_filled))
+        log.info("%s: %d tensors absent, set to zeros (%s), e.g. %s", folder, len(zero_filled), why, zero_filled[0])
     model.load_state_dict(state, assign=True, strict=not skip_engram_tables)
     _materialize_runtime_buffers(model, device)
     report.tensors = len(state)
     tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
-    if cfg.engram_layer_ids:
+    if cfg.engram_layer_ids and (folder / TOKEN_MAP_FILE).is_file():
+        model.attach_engram_frontend(EngramFrontend.from_token_map(cfg, TokenMap.from_file(folder / TOKEN_MAP_FILE,
+                                                                                           cfg)))
+        log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
+    elif cfg.engram_layer_ids:
         tokenizer = load_tokenizer(tok_path if tok_path.exists() else None)
         model.attach_engram_frontend(EngramFrontend.for_config(cfg, tokenizer))
     model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)

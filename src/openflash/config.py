@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from openflash.errors import ConfigError
+
+log = logging.getLogger("openflash.config")
 
 PRESETS = ("flash", "tiny", "small")
 
@@ -55,6 +58,32 @@ REFERENCE_ROPE_SCALING = {
 _STORAGE_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32"}
 # Reference runtime fields that are not part of the model.
 REFERENCE_RUNTIME = {"max_batch_size", "max_seq_len", "temperature"}
+
+
+def _adopt_reference_names(text: dict[str, Any], source: str) -> dict[str, Any]:
+    """A text_config that uses the reference's short names (norm_eps, rope_head_dim, score_func, route_scale,
+    original_seq_len, ...) where the HF name is absent, as some writers do: take them under their HF names. A key
+    given both ways must agree."""
+    text = dict(text)
+    rope = dict(text.get("rope_scaling") or {}) if isinstance(text.get("rope_scaling"), dict) else None
+    adopted = []
+    for short, hf in [*REFERENCE_TO_HF.items(), *REFERENCE_ROPE_SCALING.items()]:
+        if short not in text:
+            continue
+        target = rope if short in REFERENCE_ROPE_SCALING else text
+        if target is None:
+            target = rope = {}
+        value = text.pop(short)
+        if hf in target and target[hf] != value:
+            raise ConfigError(f"{source}: text_config gives {short}={value!r} (the reference's name) and "
+                              f"{hf}={target[hf]!r}; they must agree")
+        target.setdefault(hf, value)
+        adopted.append(f"{short} -> {hf}")
+    if rope is not None and (rope or "rope_scaling" in text):
+        text["rope_scaling"] = rope
+    if adopted:
+        log.info("%s: text_config uses reference key names; read as %s", source, ", ".join(adopted))
+    return text
 
 
 class LayerMode(str, Enum):
@@ -112,6 +141,13 @@ class Topology:
     @property
     def decoder_layers(self) -> range:
         return range(self.decoder_start, len(self.layers))
+
+    @property
+    def bounded_replay_ok(self) -> bool:
+        """CED bounded replay (architecture.md §7.3) needs every Engram layer in the encoder half: the replayed
+        decoder tail has no n-gram history for the prompt positions it skips. The reference also runs models whose
+        Engram sits in the decoder half; their prefill runs exact."""
+        return all(layer < self.decoder_start for layer in self.engram_layers)
 
 
 @dataclass
@@ -211,6 +247,8 @@ class FlashConfig:
             root = data
         else:
             text, root = data, {}
+        if isinstance(text, dict):
+            text = _adopt_reference_names(text, source)
         return cls._from_text_and_root(text, root, source)
 
     @classmethod
@@ -477,9 +515,6 @@ def validate(cfg: FlashConfig) -> None:
         for layer in eng:
             if not 0 <= layer < n:
                 fail(f"engram_layer_ids names layer {layer}, which does not exist (num_hidden_layers = {n})")
-        if kv and max(eng) > max(kv):
-            fail(f"engram_layer_ids names layer {max(eng)}, after the last KV source (layer {max(kv)}): Engram "
-                 f"must sit in the encoder half")
         if cfg.engram_max_ngram_size < 2:
             fail(f"engram_max_ngram_size must be >= 2, got {cfg.engram_max_ngram_size}")
         if cfg.engram_n_heads < 1 or cfg.engram_vocab_size < 2 or cfg.engram_compressed_vocab_size < 1:

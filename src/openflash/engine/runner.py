@@ -136,7 +136,7 @@ class ModelRunner:
         views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
         ctx = StepContext(positions, model.numerics, cache=cache, compressed=views)
         n_layers, split = len(model.layers), cfg.topology.decoder_start
-        bounded = self.prefill_mode == "bounded" and split < n_layers
+        bounded = self.prefill_mode == "bounded" and split < n_layers and cfg.topology.bounded_replay_ok
         residual, pre = model._streams(ids)
         residual, pre = model._layers(residual, pre, range(split if bounded else n_layers), ctx, hash_ids, None)
         if bounded:

@@ -30,6 +30,12 @@ class EngramFrontend:
         layout = EngramHashLayout.from_config(cfg, token_map)
         return cls(token_map, layout, NgramHasher(layout))
 
+    @classmethod
+    def from_token_map(cls, cfg: FlashConfig, token_map: TokenMap) -> "EngramFrontend":
+        """Build from a token map the checkpoint carries (TokenMap.from_file)."""
+        layout = EngramHashLayout.from_config(cfg, token_map)
+        return cls(token_map, layout, NgramHasher(layout))
+
     def hash(self, input_ids: torch.Tensor, state: EngramHashState,
              token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
         """Hash ids [B, S, n_engram_layers, C] of a chunk following `state`, and the state after it."""

@@ -245,6 +245,28 @@ class TokenMap:
         num_ids = min(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size)
         return cls.build(tokenizer, num_ids, config.engram_pad_token_id, config.engram_compressed_vocab_size)
 
+    @classmethod
+    def from_file(cls, path: str | Path, config: "FlashConfig") -> "TokenMap":
+        """A map a checkpoint carries itself (`engram_token_map.npy`: int [num_ids], the compressed id of each token
+        id, num_ids <= vocab_size), for models whose tokenizer is not DeepSeek's; checked against the config."""
+        path = Path(path)
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: not a readable .npy token map ({exc})") from None
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 0 < len(ids) <= config.vocab_size:
+            raise ConfigError(f"{path}: a token map is a 1-D integer array of at most vocab_size={config.vocab_size} "
+                              f"entries; found dtype {ids.dtype} shape {list(ids.shape)}")
+        ids = ids.astype(np.int64)
+        size = int(ids.max()) + 1
+        if ids.min() < 0 or size != config.engram_compressed_vocab_size:
+            raise ConfigError(f"{path}: compressed ids span {int(ids.min())}..{size - 1}, but the config's "
+                              f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")
+        if not 0 <= config.engram_pad_token_id < len(ids):
+            raise ConfigError(f"{path}: engram_pad_token_id {config.engram_pad_token_id} is outside the map "
+                              f"(ids 0..{len(ids) - 1})")
+        return cls(ids=ids, compressed_vocab_size=size, pad_id=int(ids[config.engram_pad_token_id]))
+
     def __len__(self) -> int:
         return len(self.ids)
 

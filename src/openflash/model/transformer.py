@@ -18,6 +18,7 @@ Two ways to run it:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +37,8 @@ from openflash.model.mhc import (HcIn, HcOut, coefficients_from_projection, coll
                                  hc_coefficients)
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32, Numerics
+
+log = logging.getLogger("openflash.model")
 
 # rows(slot, hash_ids [B, S, C]) -> dequantized rows [B, S, C, dim]: an external Engram tier (memory/).
 RowSource = Callable[[int, torch.Tensor], torch.Tensor]
@@ -113,6 +116,7 @@ class Transformer(nn.Module):
         self.numerics: Numerics = FP32
         self._engram_frontend = engram_frontend
         self.row_source: RowSource | None = None  # None: gather from the tables held in this module
+        self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def set_numerics(self, numerics: Numerics) -> "Transformer":
@@ -219,6 +223,9 @@ class Transformer(nn.Module):
         """
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
+        if mode == "bounded" and not self.cfg.topology.bounded_replay_ok:
+            mode = "exact"
+            self._note_exact_prefill()
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(1)
         B, S = input_ids.shape
@@ -259,6 +266,13 @@ class Transformer(nn.Module):
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      None)
         return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1]
+
+    def _note_exact_prefill(self) -> None:
+        if not self._noted_exact_prefill:
+            self._noted_exact_prefill = True
+            log.info("Engram layer(s) %s sit in the CED decoder half (from layer %d): bounded prefill runs exact "
+                     "for this model", [i for i in self.cfg.engram_layer_ids if i >= self.cfg.topology.decoder_start],
+                     self.cfg.topology.decoder_start)
 
     def decode(self, input_ids: torch.Tensor, cache: ModelCache, **kwargs) -> torch.Tensor:
         """One token per row [B] at each row's own position; returns logits [B, V]."""
