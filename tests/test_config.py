@@ -100,7 +100,6 @@ BROKEN = [
      "layer 3 has compress_ratio 1 but its KV owner, layer 1, has ratio 2"),
     (dict(candidate_topk_blocks=1, candidate_block_size=4), "candidate pool candidate_topk_blocks*candidate_block_size"),
     (dict(candidate_source_layer_id=5), "candidate_source_layer_id 5 is not an index source"),
-    (dict(engram_layer_ids=[0, 6]), "engram_layer_ids names layer 6, after the last KV source (layer 4)"),
     (dict(num_attention_heads=3), "num_attention_heads (3) is not divisible by o_groups (2)"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok (9) exceeds n_routed_experts (8)"),
     (dict(engram_num_embeddings=[304]), "engram_num_embeddings has 1 entries for 2 engram_layer_ids"),
