@@ -25,6 +25,7 @@ from pathlib import Path
 from openflash.errors import OpenflashError
 from openflash.train.tokenizer import DEFAULT_PATTERNS, stdlib_source_dir, walk_sources
 
+DONE_FILE = "demo_done.json"  # in the training run folder: the budget (minutes) of the last finished run
 PROMPTS = ("def fibonacci(n):", "import os\n\n", "class Stack:", "    def __init__(self, ")
 # Folders of the stdlib that hold its test suite: a different style of code, and most of the bytes.
 SKIP_PARTS = frozenset({"test", "tests", "idle_test", "lib2to3"})
@@ -156,7 +157,11 @@ def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
     checkpoint = latest_checkpoint(train_dir)
     trained = float(read_trainer_state(checkpoint)["trained_seconds"]) if checkpoint is not None else 0.0
     remaining = budget - trained
-    if checkpoint is not None and remaining < max(1.0, 0.02 * budget):  # done, up to a step or two
+    # Done when a run for at least this budget finished (the trainer plans its steps to fit the budget and keeps
+    # time for evaluations and saves, so the seconds it trained say less than whether it finished).
+    marker = train_dir / DONE_FILE
+    finished = json.loads(marker.read_text()).get("minutes", 0.0) if marker.is_file() else 0.0
+    if checkpoint is not None and (finished >= cfg.minutes or remaining < max(1.0, 0.02 * budget)):
         _say(cfg, f"[4/5] training: cached ({trained / 60:.1f} of {cfg.minutes:g} min done, {checkpoint.name})")
     else:
         what = f"continuing from {checkpoint.name}" if checkpoint is not None else f"'{cfg.preset}' preset"
@@ -168,7 +173,8 @@ def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
             batch_size=cfg.batch_size, seq_len=cfg.sequence_length, lr=cfg.lr, warmup=20,
             eval_every=100, save_every=100, max_minutes=remaining / 60.0, steps_from_budget=True,
             adaptive_threads=True, resume=checkpoint is not None, progress=cfg.progress)
-        Trainer(train_cfg).fit()
+        if Trainer(train_cfg).fit().stopped_by != "interrupt":
+            marker.write_text(json.dumps({"minutes": cfg.minutes}) + "\n")
     records = _metrics(train_dir)
     evals = [r for r in records if "val_loss" in r]
     result: dict = {"steps": max((r["step"] for r in records if "loss" in r), default=0)}
