@@ -54,7 +54,9 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import find_table_primes
 from openflash.memory.placement import EngramMemory
 from openflash.errors import EngramTableError
-from openflash.memory.tables import DeviceTable, DiskTable, read_table_header, table_file_name, write_table_file
+from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
+from openflash.memory.tiers.device import DeviceTable
+from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tokenmap import load_tokenizer
 from openflash.model.transformer import Transformer
 from openflash.train.tokenizer import iter_text_files, stdlib_source_dir

@@ -145,7 +145,7 @@ def test_engram_tables_can_be_left_to_an_external_tier():
 
 @pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors", "link.safetensors"])
 def test_index_may_not_name_files_outside_the_folder(tmp_path, shard):
-    from openflash.memory.tables import CheckpointTables
+    from openflash.memory.checkpoint_tables import CheckpointTables
 
     folder, tensors = _copy_golden(tmp_path)
     save_file(tensors, str(tmp_path / "outside.safetensors"))

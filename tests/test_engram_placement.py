@@ -19,8 +19,9 @@ from openflash.checkpoint import save_checkpoint
 from openflash.config import load_config
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.placement import EngramMemory
-from openflash.memory.tables import (DiskTable, export_engram_tables, read_table_header, table_file_name,
-                                     write_table_file)
+from openflash.memory.checkpoint_tables import export_engram_tables
+from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
+from openflash.memory.tiers.disk import DiskTable
 from openflash.model.transformer import Transformer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"  # a checkpoint of another tiny config (Engram layers 0, 3)
@@ -301,7 +302,7 @@ def test_read_error_fails_that_step(base, reference, table_dir, monkeypatch):
         ids = next_tokens(reference[0], 0)
         message = re.escape(f"{disk.path.parent}/engram_layer") + r"\d+\.oftable: read error in rows .*Input/output error"
         with monkeypatch.context() as patch, pytest.raises(EngramTableError, match=message):
-            patch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
+            patch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
             model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
         # the memory is usable again: a new sequence gives the right logits
         assert torch.equal(run(model, memory), reference)

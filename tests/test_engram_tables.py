@@ -15,17 +15,13 @@ from safetensors.torch import load_file, save_file
 from openflash.errors import CheckpointError, ConfigError, EngramTableError
 from openflash.memory.hashing import EngramHashLayout
 from openflash.memory.prefetch import EngramPrefetcher
-from openflash.memory.tables import (
-    DeviceTable,
-    DiskTable,
-    HostTable,
-    TableStats,
-    export_engram_tables,
-    open_tables,
-    read_table_header,
-    table_file_name,
-    write_table_file,
-)
+from openflash.memory.checkpoint_tables import export_engram_tables
+from openflash.memory.rows import TableStats
+from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
+from openflash.memory.tables import open_tables
+from openflash.memory.tiers.device import DeviceTable
+from openflash.memory.tiers.disk import DiskTable
+from openflash.memory.tiers.host import HostTable
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 # Golden A's Engram setup (from its config.json): layers 0 and 3, tables of 304 and 462 rows of 32 values.
@@ -274,7 +270,7 @@ def test_read_error_surfaces_as_table_error(table_file, parallel, monkeypatch):
             disk.parallel_min_rows = 2
         with monkeypatch.context() as patch, \
                 pytest.raises(EngramTableError, match=rf"{table_file}: read error in rows 5\.\.\d+.*Input/output"):
-            patch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
+            patch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
             disk.gather(torch.tensor([9, 5, 700, 5]))
         # a later gather works again and nothing bad was cached
         assert disk.gather(torch.tensor([5])).shape == (1, DIM)
@@ -468,7 +464,7 @@ def test_prefetch_errors_are_table_errors(table_bytes, table_file, monkeypatch):
             with pytest.raises(EngramTableError, match="layer position 0 failed: RuntimeError: device lost"):
                 prefetch.rows(0)
             # a file read error in the background arrives as the table's own error
-            monkeypatch.setattr("openflash.memory.tables.os.preadv", _bad_sector)
+            monkeypatch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
             prefetch = prefetcher.submit(random_ids((1, 2, 2, 6)))
             with pytest.raises(EngramTableError, match=f"{table_file}: read error"):
                 prefetch.rows(1)

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from openflash import formats
-from openflash.config import FlashConfig, load_config
+from openflash.config import load_config
 from openflash.errors import CheckpointError
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, load_tokenizer

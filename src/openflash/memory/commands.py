@@ -67,7 +67,7 @@ import sys  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
-from openflash.memory.tables import ExportedTable, export_engram_tables  # noqa: E402
+from openflash.memory.checkpoint_tables import ExportedTable, export_engram_tables# noqa: E402
 
 
 def cli_export(args: argparse.Namespace) -> int:

@@ -47,8 +47,12 @@ import torch
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.hashing import EngramHashState
 from openflash.memory.prefetch import EngramPrefetcher, Prefetch
-from openflash.memory.tables import (PLACEMENTS, DeviceTable, DiskTable, EngramTable, ShardedTable, open_tables,
-                                     read_engram_spec)
+from openflash.memory.checkpoint_tables import read_engram_spec
+from openflash.memory.rows import EngramTable
+from openflash.memory.tables import PLACEMENTS, open_tables
+from openflash.memory.tiers.device import DeviceTable
+from openflash.memory.tiers.disk import DiskTable
+from openflash.memory.tiers.sharded import ShardedTable
 
 MAX_PENDING = 8  # prefetches kept waiting for their step; older ones are dropped as stale
 

@@ -25,7 +25,8 @@ from typing import Callable, Mapping
 import torch
 
 from openflash.errors import EngramTableError
-from openflash.memory.tables import DiskTable, EngramTable
+from openflash.memory.rows import EngramTable
+from openflash.memory.tiers.disk import DiskTable
 
 
 @dataclass

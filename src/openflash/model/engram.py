@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from openflash.config import FlashConfig
-from openflash.memory.tables import DeviceTable
+from openflash.memory.tiers.device import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin
 
 

@@ -484,7 +484,7 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, ta
     """An Engram memory tier for --engram-placement other than device (memory/placement.py). The disk tier reads
     `<model folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
     from openflash.memory.placement import EngramMemory
-    from openflash.memory.tables import table_file_name, write_table_file
+    from openflash.memory.table_file import table_file_name, write_table_file
 
     if placement == "sharded":
         raise OpenflashError("--engram-placement sharded needs a torch.distributed group of ranks; `openflash serve` "
