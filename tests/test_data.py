@@ -1,4 +1,4 @@
-"""Dataset preparation (shards, manifest, resume) and batch loading (openflash.train.data)."""
+"""Dataset preparation (train/prepare.py: shards, manifest, resume) and batch loading (train/dataset.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ import torch
 
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
-from openflash.train.data import (
-    BatchLoader,
-    PreparationStopped,
-    TokenDataset,
-    eval_batches,
-    is_validation,
-    prepare_dataset,
-)
+from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
+from openflash.train.prepare import PreparationStopped, is_validation, prepare_dataset
 from openflash.train.tokenizer import load_tokenizer, tokenizer_sha256, train_bpe_tokenizer
 
 VOCAB = 320
@@ -181,9 +175,9 @@ def test_resume_after_a_crash_mid_unit(corpus: Path, tok_file: Path, prepared: P
 
 def test_resume_after_a_crash_while_finishing(corpus: Path, tok_file: Path, prepared: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import openflash.train.data as data
+    import openflash.train.prepare as prepare
 
-    real_write = data._write_json_atomic
+    real_write = prepare.write_json_atomic
 
     def crash_on_manifest(path: Path, obj: object) -> None:
         if path.name == "manifest.json":
@@ -191,10 +185,10 @@ def test_resume_after_a_crash_while_finishing(corpus: Path, tok_file: Path, prep
         real_write(path, obj)
 
     out = tmp_path / "ds"
-    monkeypatch.setattr(data, "_write_json_atomic", crash_on_manifest)
+    monkeypatch.setattr(prepare, "write_json_atomic", crash_on_manifest)
     with pytest.raises(RuntimeError, match="power cut"):
         _prepare(corpus, tok_file, out)
-    monkeypatch.setattr(data, "_write_json_atomic", real_write)
+    monkeypatch.setattr(prepare, "write_json_atomic", real_write)
     assert (out / "train_docs.bin").exists() and (out / "progress.json").exists()  # finished shards, no manifest
     _prepare(corpus, tok_file, out)
     assert _folder_bytes(out) == _folder_bytes(prepared)

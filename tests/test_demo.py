@@ -9,8 +9,8 @@ import pytest
 
 from openflash.cli import main as cli_main
 from openflash.demo import DemoConfig, run_demo, select_corpus
-from openflash.train.data import is_validation
-from openflash.train.trainer import latest_checkpoint
+from openflash.train.prepare import is_validation
+from openflash.run_dir import latest_checkpoint
 
 
 def make_corpus(folder: Path) -> Path:
@@ -57,7 +57,7 @@ def test_demo_stages_cache_and_continue(tmp_path: Path, capsys: pytest.CaptureFi
 
     # A larger budget continues the same run from its checkpoint.
     # (the budget is set from what the first run trained, so a slow first step cannot use it all up)
-    from openflash.train.trainer import read_trainer_state
+    from openflash.run_dir import read_trainer_state
     trained = float(read_trainer_state(ckpt)["trained_seconds"])
     third = run_demo(_config(tmp_path, corpus, minutes=(trained + 4.0) / 60))
     out = capsys.readouterr().out

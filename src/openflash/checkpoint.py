@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from openflash import formats
+from openflash.atomic import write_text_atomic
 from openflash.config import load_config
 from openflash.errors import CheckpointError
 from openflash.memory.frontend import EngramFrontend
@@ -291,11 +292,11 @@ def save_checkpoint(model: Transformer, path: str | Path, *, dtype: str = "fp32"
             for key, t in shard.items():
                 weight_map[key] = name
                 total += t.numel() * t.element_size()
-        _atomic_write_text(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+        write_text_atomic(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
                                                             "weight_map": weight_map}, indent=1))
-    _atomic_write_text(folder / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    write_text_atomic(folder / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     if tokenizer_json is not None:
-        _atomic_write_text(folder / "tokenizer.json", Path(tokenizer_json).read_text())
+        write_text_atomic(folder / "tokenizer.json", Path(tokenizer_json).read_text())
     write_manifest(folder)
     return folder
 
@@ -309,13 +310,6 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def count_by_dtype(folder: str | Path) -> dict[str, int]:

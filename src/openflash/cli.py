@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True
-    prep = _add(data_sub, "prepare", "openflash.train.data:cli_prepare",
+    prep = _add(data_sub, "prepare", "openflash.train.prepare:cli_prepare",
                 "tokenize text files into memory-mapped token shards with a manifest")
     prep.add_argument("sources", nargs="+", help="text files or directories (walked recursively)")
     prep.add_argument("--tokenizer", required=True, help="tokenizer.json path, or 'deepseek' for the official one")

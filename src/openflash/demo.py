@@ -91,7 +91,7 @@ def _metrics(run: Path) -> list[dict]:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run (or resume) every stage; returns a summary (val losses, samples, timings)."""
-    from openflash.train.data import prepare_dataset
+    from openflash.train.prepare import prepare_dataset
     from openflash.train.tokenizer import train_bpe_tokenizer
 
     run_dir = Path(cfg.run_dir)
@@ -151,7 +151,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
-    from openflash.train.trainer import TrainConfig, Trainer, latest_checkpoint, read_trainer_state
+    from openflash.run_dir import latest_checkpoint, read_trainer_state
+    from openflash.train.trainer import TrainConfig, Trainer
 
     budget = cfg.minutes * 60.0
     checkpoint = latest_checkpoint(train_dir)
@@ -191,7 +192,7 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
     from openflash.checkpoint import load_checkpoint
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
-    from openflash.train.trainer import latest_checkpoint
+    from openflash.run_dir import latest_checkpoint
     from openflash.train.tokenizer import load_tokenizer
 
     checkpoint = latest_checkpoint(train_dir)

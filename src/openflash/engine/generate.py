@@ -52,7 +52,7 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
         net.set_numerics(NUMERICS[numerics]).eval()
         return net, tok, f"preset '{model}' with random weights (outputs are noise)"
     from openflash.checkpoint import load_checkpoint
-    from openflash.train.trainer import latest_checkpoint
+    from openflash.run_dir import latest_checkpoint
 
     folder = Path(model)
     if folder.is_dir() and not (folder / "model.safetensors").exists() and not (folder / "model.safetensors.index.json").exists():

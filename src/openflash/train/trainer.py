@@ -35,15 +35,15 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
-from openflash.checkpoint import INDEX_FILE, SINGLE_FILE, save_checkpoint
+from openflash.atomic import write_json_atomic
+from openflash.checkpoint import save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
@@ -51,16 +51,16 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
-from openflash.train.data import BatchLoader, TokenDataset, eval_batches
+from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_FILE, checkpoint_dirs,
+                               latest_checkpoint, read_checkpoint_weights, read_trainer_state,
+                               remove_partial_checkpoints, truncate_metrics)
+from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads, init_from_env
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param,
                                    load_stats, reset_expert_loads, update_router_bias)
+from openflash.train.threads import ThreadTuner
 from openflash.train.tokenizer import load_tokenizer
 
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS_DIR = "checkpoints"
-STATE_FILE = "trainer_state.pt"
-ARGS_FILE = "train_args.json"
 # A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
 # far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
 PLAN_AT_STEPS = (4, 12, 30, 60, 100)
@@ -143,132 +143,6 @@ def training_model_config(config: str | Path, tokenizer_path: str | Path) -> Fla
         token_map = build_compressed_token_map(tokenizer, vocab)
         changes["engram_compressed_vocab_size"] = int(token_map.max()) + 1
     return cfg.replace(**changes)
-
-
-def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1] if dirs else None
-
-
-def remove_partial_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Delete the `.tmp_step_*` folders a save killed mid-write left behind (never read: a checkpoint becomes
-    visible only by its final rename); returns what was removed."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    removed = sorted(root.glob(".tmp_step_*")) if root.is_dir() else []
-    for partial in removed:
-        log.info("removing %s, left by a checkpoint save that did not finish", partial)
-        shutil.rmtree(partial, ignore_errors=True)
-    return removed
-
-
-def read_checkpoint_weights(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights of a training checkpoint, checked against the model its config.json builds; every problem is
-    an OpenflashError naming the file."""
-    if (checkpoint / INDEX_FILE).exists():
-        raise OpenflashError(f"{checkpoint}: sharded training checkpoints are not supported")
-    path = checkpoint / SINGLE_FILE
-    if not path.is_file():
-        raise OpenflashError(f"{path} is missing: the checkpoint is incomplete")
-    try:
-        weights = load_file(str(path))
-    except Exception as exc:  # safetensors raises its own types for a damaged header or short file
-        raise OpenflashError(f"{path}: unreadable safetensors file ({exc})") from None
-    problems = [f"missing {n}" for n in expected if n not in weights]
-    problems += [f"unexpected {n}" for n in weights if n not in expected]
-    problems += [f"{n} has shape {list(t.shape)}, config.json gives {list(expected[n].shape)}"
-                 for n, t in weights.items() if n in expected and t.shape != expected[n].shape]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise OpenflashError(f"{path}: weights do not match {checkpoint / 'config.json'}: "
-                             f"{'; '.join(problems[:3])}{more}")
-    return weights
-
-
-def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
-    path = Path(checkpoint) / STATE_FILE
-    if not path.is_file():
-        raise OpenflashError(f"{path} is missing: not a training checkpoint")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for a damaged pickle / zip
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise OpenflashError(f"{path}: unreadable trainer state ({first})") from None
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past `step` (written after the checkpoint a resumed run continues from)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-            continue
-        kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Thread count on a shared machine
-
-
-@dataclass
-class ThreadTuner:
-    """Picks the torch thread count from measured step times.
-
-    On a machine shared with other processes, OpenMP worker threads that spin-wait for a core held by someone
-    else can make a step many times slower; one thread is then faster than all cores. Every `every` steps each
-    other candidate gets one probe step and the fastest is used until the next round. A candidate that lost by
-    more than 2x is probed half as often each time it loses again (such probes are expensive).
-    """
-
-    candidates: tuple[int, ...]
-    every: int = 30
-    current: int = 0
-    times: dict[int, float] = field(default_factory=dict)
-    backoff: dict[int, int] = field(default_factory=dict)
-    _probing: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.current = self.current or self.candidates[0]
-
-    def threads_for(self, step_in_run: int) -> int:
-        if step_in_run % self.every == 1 and not self._probing:  # step 0 pays one-off warm-up costs
-            round_index = step_in_run // self.every
-            self._probing = [t for t in self.candidates if t != self.current
-                             and round_index % self.backoff.get(t, 1) == 0] + [self.current]
-        return self._probing[0] if self._probing else self.current
-
-    def record(self, threads: int, seconds: float) -> None:
-        if not self._probing or self._probing[0] != threads:
-            return
-        self.times[threads] = seconds
-        self._probing.pop(0)
-        if not self._probing:
-            best = min(self.times, key=self.times.get)
-            for t, v in self.times.items():
-                self.backoff[t] = min(8, self.backoff.get(t, 1) * 2) if v > 2 * self.times[best] else 1
-            self.current = best
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -551,8 +425,8 @@ class Trainer:
             self.model_cfg.save(self.run_dir / "config.json")
             metrics.write_text("")
         else:
-            _truncate_metrics(metrics, self.step)
-        _write_json_atomic(self.run_dir / ARGS_FILE, asdict(self.cfg))
+            truncate_metrics(metrics, self.step)
+        write_json_atomic(self.run_dir / ARGS_FILE, asdict(self.cfg))
         self._append_metrics({"event": "resume" if self.resume_from is not None else "start", "at_step": self.step,
                               "world_size": self.ctx.world_size, "config": self.cfg.config,
                               "params": sum(p.numel() for p in self.model.parameters())})
@@ -643,48 +517,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Data parallel without torchrun
-
-
-def reduced_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The gradients the last optimizer step used (averaged over the ranks, clipped), by parameter name."""
-    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-
-def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str, grads_path: str | None) -> None:
-    records: list[dict[str, Any]] = []
-
-    def on_step(trainer: Trainer, record: dict[str, Any]) -> None:
-        records.append(record)
-        if grads_path is not None and record["step"] == 1 and ctx.is_main:
-            torch.save(reduced_gradients(trainer), grads_path)
-
-    result = Trainer(TrainConfig(**cfg_dict), ctx, on_step=on_step).fit()
-    if ctx.is_main:
-        Path(records_path).write_text(json.dumps({"records": records, "step": result.step,
-                                                  "stopped_by": result.stopped_by,
-                                                  "val_loss": result.val_loss}))
-
-
-def fit_data_parallel(cfg: TrainConfig, world_size: int, threads_per_rank: int = 1,
-                      first_step_grads: str | Path | None = None) -> dict[str, Any]:
-    """Train `cfg` with `world_size` local processes (gloo on 127.0.0.1), as torchrun would; returns rank 0's
-    per-step records and final step. `first_step_grads`: a file to save the first step's reduced gradients to
-    (`reduced_gradients`), for comparing data parallel with one process."""
-    from openflash.train.distributed import spawn
-
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    records_path = Path(cfg.out) / f".spawn_records_{os.getpid()}.json"
-    grads_path = None if first_step_grads is None else str(first_step_grads)
-    try:
-        spawn(_spawned_fit, world_size, asdict(cfg), str(records_path), grads_path,
-              threads_per_rank=threads_per_rank)
-        return json.loads(records_path.read_text())
-    finally:
-        records_path.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -708,5 +540,4 @@ def cli_train(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config", "latest_checkpoint", "checkpoint_dirs",
-           "read_trainer_state", "fit_data_parallel", "reduced_gradients", "cli_train"]
+__all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config", "cli_train"]
