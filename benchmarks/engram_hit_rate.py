@@ -37,7 +37,7 @@ import torch
 
 from openflash.config import load_config
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import load_tokenizer
+from openflash.tokenizer import DEEPSEEK, load_tokenizer
 from openflash.train.tokenizer import iter_text_files, read_text_file, stdlib_source_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -228,7 +228,7 @@ def main() -> None:
     lru_check(np.random.default_rng(0))
 
     cfg = load_config("flash")
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(DEEPSEEK)
     frontend = EngramFrontend.for_config(cfg, tokenizer)
     table_rows = [int(r) for r in frontend.layout.table_rows]
     results = {}

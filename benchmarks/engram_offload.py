@@ -50,15 +50,15 @@ import torch
 
 from openflash.config import FlashConfig, load_config
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
+from openflash.errors import EngramTableError
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import find_table_primes
 from openflash.memory.placement import EngramMemory
-from openflash.errors import EngramTableError
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tiers.device import DeviceTable
 from openflash.memory.tiers.disk import DiskTable
-from openflash.memory.tokenmap import load_tokenizer
 from openflash.model.transformer import Transformer
+from openflash.tokenizer import DEEPSEEK, load_tokenizer
 from openflash.train.tokenizer import iter_text_files, stdlib_source_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -110,7 +110,7 @@ def table_arrays(cfg: FlashConfig, table_dir: Path, fingerprint: str) -> dict[in
 def text_tokens(vocab_size: int, count: int) -> torch.Tensor:
     """`count` tokens of real text: stdlib sources through the DeepSeek tokenizer, ids folded into the vocabulary
     (folding keeps the text's repetition structure, which is what the row cache sees)."""
-    tokenizer, ids = load_tokenizer(None), []
+    tokenizer, ids = load_tokenizer(DEEPSEEK), []
     for path in iter_text_files([stdlib_source_dir()], ["*.py"]):
         ids.extend(tokenizer.encode(path.read_text(errors="replace")).ids)
         if len(ids) >= count:

@@ -18,9 +18,9 @@ from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import ConfigError
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import preset_tokenizer
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
+from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 

@@ -12,9 +12,10 @@ import torch
 
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
+from openflash.tokenizer import load_tokenizer, tokenizer_sha256
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.prepare import PreparationStopped, is_validation, prepare_dataset
-from openflash.train.tokenizer import load_tokenizer, tokenizer_sha256, train_bpe_tokenizer
+from openflash.train.tokenizer import train_bpe_tokenizer
 
 VOCAB = 320
 SHARD = 300  # tokens per shard: small, so documents straddle shard boundaries

@@ -9,8 +9,8 @@ import pytest
 
 from openflash.cli import main as cli_main
 from openflash.demo import DemoConfig, run_demo, select_corpus
-from openflash.train.prepare import is_validation
 from openflash.run_dir import latest_checkpoint
+from openflash.train.prepare import is_validation
 
 
 def make_corpus(folder: Path) -> Path:

@@ -14,8 +14,8 @@ import torch
 
 from openflash import formats
 from openflash.config import load_config
-from openflash.engine.cache import BlockPool, CacheFactory, EntryLayout, concat_rows, encode_kv_exact, release, \
-    select_rows
+from openflash.engine.cache import (BlockPool, CacheFactory, EntryLayout, concat_rows, encode_kv_exact, release,
+                                    select_rows)
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate, load_for_inference
 from openflash.engine.request import (ABORT, LENGTH, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
@@ -25,7 +25,6 @@ from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import NUMERICS
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

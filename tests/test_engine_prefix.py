@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from openflash.engine.engine import EngineConfig, LLMEngine
-
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

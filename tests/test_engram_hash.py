@@ -13,17 +13,10 @@ import torch
 from safetensors import safe_open
 
 from openflash.errors import ConfigError, OpenflashError
-from openflash.memory.hashing import (
-    DEAD,
-    EngramHashLayout,
-    EngramHashState,
-    NgramHasher,
-    compress,
-    find_table_primes,
-    hash_multipliers,
-    is_prime,
-)
-from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, load_tokenizer
+from openflash.memory.hashing import (DEAD, EngramHashLayout, EngramHashState, NgramHasher, compress,
+                                      find_table_primes, hash_multipliers, is_prime)
+from openflash.memory.tokenmap import TokenMap, build_compressed_token_map
+from openflash.tokenizer import DEEPSEEK, load_tokenizer
 
 GOLDENS = Path(__file__).parent / "goldens"
 
@@ -74,7 +67,7 @@ def token_map_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(None)
+    return load_tokenizer(DEEPSEEK)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from openflash.checkpoint import save_checkpoint
 from openflash.config import load_config
 from openflash.errors import ConfigError, EngramTableError
-from openflash.memory.placement import EngramMemory
 from openflash.memory.checkpoint_tables import export_engram_tables
+from openflash.memory.placement import EngramMemory
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.transformer import Transformer

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from openflash.errors import CheckpointError, ConfigError, EngramTableError
+from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.hashing import EngramHashLayout
 from openflash.memory.prefetch import EngramPrefetcher
-from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.rows import TableStats
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tables import open_tables
@@ -491,8 +491,8 @@ def test_export_float_tables_of_a_trained_checkpoint(tmp_path):
     from openflash.checkpoint import save_checkpoint
     from openflash.config import load_config
     from openflash.memory.frontend import EngramFrontend
-    from openflash.memory.tokenmap import preset_tokenizer
     from openflash.model.transformer import Transformer
+    from openflash.tokenizer import preset_tokenizer
 
     cfg = load_config("tiny")
     torch.manual_seed(0)

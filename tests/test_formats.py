@@ -14,36 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openflash.errors import OpenflashError
-from openflash.formats import (
-    act_quant,
-    act_quant_qdq,
-    as_uint8,
-    cache_entry_bytes,
-    decode_index_mxfp4,
-    decode_kv_fp4,
-    decode_window_fp8,
-    dequantize_fp8_blocks,
-    dequantize_fp8_rows,
-    dequantize_mxfp4,
-    e2m1_decode,
-    e2m1_encode,
-    e4m3_decode,
-    e4m3_encode,
-    e4m3_round,
-    encode_index_mxfp4,
-    encode_kv_fp4,
-    encode_window_fp8,
-    fp4_qdq_e4m3,
-    fp4_qdq_ue8m0,
-    pack_fp4,
-    pow2_ceil_scale,
-    quantize_fp8_blocks,
-    quantize_mxfp4,
-    ste,
-    ue8m0_decode,
-    ue8m0_encode,
-    unpack_fp4,
-)
+from openflash.formats import (act_quant, act_quant_qdq, as_uint8, cache_entry_bytes, decode_index_mxfp4,
+                               decode_kv_fp4, decode_window_fp8, dequantize_fp8_blocks, dequantize_fp8_rows,
+                               dequantize_mxfp4, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, e4m3_round,
+                               encode_index_mxfp4, encode_kv_fp4, encode_window_fp8, fp4_qdq_e4m3, fp4_qdq_ue8m0,
+                               pack_fp4, pow2_ceil_scale, quantize_fp8_blocks, quantize_mxfp4, ste, ue8m0_decode,
+                               ue8m0_encode, unpack_fp4)
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 HYP = settings(derandomize=True, deadline=None, max_examples=100)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from openflash.config import load_config
-from openflash.memory.tokenmap import TokenMap, load_tokenizer, preset_tokenizer
+from openflash.memory.tokenmap import TokenMap
+from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
          "Ünïcödé, 漢字, emoji 😀 and\ttabs\r\n", "x" * 300, " ", "<｜User｜>hi<｜Assistant｜>"]
@@ -19,7 +20,7 @@ def test_preset_tokenizer_fits_the_vocabulary(preset):
     cfg = load_config(preset)
     tok = preset_tokenizer(cfg)
     assert tok.get_vocab_size(with_added_tokens=True) == cfg.vocab_size
-    full = load_tokenizer(None)
+    full = load_tokenizer(DEEPSEEK)
     for text in TEXTS:
         ids = tok.encode(text).ids
         assert ids and max(ids) < cfg.vocab_size, text

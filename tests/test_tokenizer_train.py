@@ -9,15 +9,9 @@ import pytest
 
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
-from openflash.train.tokenizer import (
-    decode_text_bytes,
-    iter_text_files,
-    load_tokenizer,
-    stdlib_source_dir,
-    tokenizer_sha256,
-    train_bpe_tokenizer,
-    walk_sources,
-)
+from openflash.tokenizer import load_tokenizer, tokenizer_sha256
+from openflash.train.tokenizer import (decode_text_bytes, iter_text_files, stdlib_source_dir, train_bpe_tokenizer,
+                                       walk_sources)
 
 CODE = '''import os\n\n\nclass Greeter:\n    """Says hello in several languages."""\n\n    def __init__(self, name: str) -> None:\n\tself.name = name  # tab-indented on purpose\n\n    def greet(self) -> str:\n        return f"Hello, {self.name}! Grüße, こんにちは, привет 👋"\n\n\ndef main():\n    for i in range(10):\n        print(Greeter(str(i)).greet())\n'''
 

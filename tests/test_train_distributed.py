@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from openflash.config import load_config
+from openflash.train.data_parallel import fit_data_parallel, reduced_gradients
 from openflash.train.prepare import prepare_dataset
 from openflash.train.tokenizer import train_bpe_tokenizer
-from openflash.train.data_parallel import fit_data_parallel, reduced_gradients
 from openflash.train.trainer import TrainConfig, Trainer
 
 

@@ -17,12 +17,13 @@ from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
 from openflash.manifest import MANIFEST_FILE, verify_manifest
-from openflash.train.prepare import prepare_dataset
+from openflash.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
+from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)
-from openflash.train.tokenizer import load_tokenizer, train_bpe_tokenizer
-from openflash.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
+from openflash.train.prepare import prepare_dataset
 from openflash.train.threads import ThreadTuner
+from openflash.train.tokenizer import train_bpe_tokenizer
 from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 
 SMALL_RUN = dict(config="tiny", batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_batches=2, progress=False)

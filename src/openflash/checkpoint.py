@@ -31,12 +31,13 @@ from openflash import formats
 from openflash.atomic import write_text_atomic
 from openflash.config import load_config
 from openflash.errors import CheckpointError
-from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import TokenMap, load_tokenizer
-from openflash.model.numerics import NUMERICS, Numerics
 from openflash.manifest import verify_manifest, write_manifest
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import TokenMap
+from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import Transformer
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
+from openflash.tokenizer import DEEPSEEK, load_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
 
@@ -213,7 +214,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
                                                                                            cfg)))
         log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
     elif cfg.engram_layer_ids:
-        tokenizer = load_tokenizer(tok_path if tok_path.exists() else None)
+        tokenizer = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
         model.attach_engram_frontend(EngramFrontend.for_config(cfg, tokenizer))
     model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
     return model.eval(), report

@@ -193,7 +193,7 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
     from openflash.run_dir import latest_checkpoint
-    from openflash.train.tokenizer import load_tokenizer
+    from openflash.tokenizer import load_tokenizer
 
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:

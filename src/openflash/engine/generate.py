@@ -18,8 +18,8 @@ from openflash.config import PRESETS, load_config
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import load_tokenizer, preset_tokenizer
 from openflash.model.transformer import Transformer
+from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 
 @dataclass
@@ -65,7 +65,7 @@ def load_for_inference(model: str, tokenizer: str | None = None, numerics: str =
     tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
     net, report = load_checkpoint(folder, device=device, numerics=numerics,
                                   tokenizer_path=tok_path if tok_path.exists() else None, verify=verify)
-    tok = load_tokenizer(tok_path if tok_path.exists() else None)
+    tok = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
     return net, tok, report.summary()
 
 

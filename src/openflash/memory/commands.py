@@ -10,13 +10,14 @@ import torch
 from openflash.config import load_config
 from openflash.errors import ConfigError
 from openflash.memory.hashing import EngramHashLayout, NgramHasher
-from openflash.memory.tokenmap import TokenMap, deepseek_tokenizer_path, load_tokenizer
+from openflash.memory.tokenmap import TokenMap
+from openflash.tokenizer import DEEPSEEK, deepseek_tokenizer_path, load_tokenizer
 
 
 def cli_hash(args: argparse.Namespace) -> int:
     """`openflash engram hash`: token ids, compressed ids and Engram row ids of a text, one Engram layer at a time."""
     config = load_config(args.config)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or DEEPSEEK)
     try:
         token_map = TokenMap.for_config(tokenizer, config)
         layout = EngramHashLayout.from_config(config, token_map)
@@ -67,7 +68,7 @@ import sys  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
-from openflash.memory.checkpoint_tables import ExportedTable, export_engram_tables# noqa: E402
+from openflash.memory.checkpoint_tables import ExportedTable, export_engram_tables  # noqa: E402
 
 
 def cli_export(args: argparse.Namespace) -> int:

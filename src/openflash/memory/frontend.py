@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 
 from openflash.config import FlashConfig
 from openflash.memory.hashing import EngramHashLayout, EngramHashState, NgramHasher, compress
-from openflash.memory.tokenmap import TokenMap, load_tokenizer
+from openflash.memory.tokenmap import TokenMap
+from openflash.tokenizer import DEEPSEEK, load_tokenizer
 
 
 @dataclass
@@ -25,7 +26,7 @@ class EngramFrontend:
     @classmethod
     def for_config(cls, cfg: FlashConfig, tokenizer: Tokenizer | None = None) -> "EngramFrontend":
         """Build from the model's tokenizer (default: the DeepSeek tokenizer, restricted to vocab_size ids)."""
-        tok = tokenizer if tokenizer is not None else load_tokenizer(None)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(DEEPSEEK)
         token_map = TokenMap.for_config(tok, cfg)
         layout = EngramHashLayout.from_config(cfg, token_map)
         return cls(token_map, layout, NgramHasher(layout))

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from openflash.errors import ConfigError, EngramTableError
+from openflash.memory.checkpoint_tables import read_engram_spec
 from openflash.memory.hashing import EngramHashState
 from openflash.memory.prefetch import EngramPrefetcher, Prefetch
-from openflash.memory.checkpoint_tables import read_engram_spec
 from openflash.memory.rows import EngramTable
 from openflash.memory.tables import PLACEMENTS, open_tables
 from openflash.memory.tiers.device import DeviceTable

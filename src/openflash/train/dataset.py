@@ -32,7 +32,6 @@ import torch
 
 from openflash.errors import OpenflashError
 
-
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 MANIFEST_FILE = "manifest.json"

@@ -32,20 +32,11 @@ from tqdm import tqdm
 
 from openflash.atomic import write_json_atomic
 from openflash.errors import OpenflashError
-from openflash.train.tokenizer import (
-    DEFAULT_PATTERNS,
-    EOS_ID,
-    SourceFile,
-    load_tokenizer,
-    parse_patterns,
-    read_text_file,
-    resolve_tokenizer_path,
-    tokenizer_sha256,
-    walk_sources,
-)
-
+from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
 from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, ShardInfo,
                                      SplitInfo, check_same_args, docs_name, shard_name, token_dtype)
+from openflash.train.tokenizer import (DEFAULT_PATTERNS, EOS_ID, SourceFile, parse_patterns, read_text_file,
+                                       walk_sources)
 
 PROGRESS_FILE = "progress.json"
 LOCK_FILE = "prepare.lock"

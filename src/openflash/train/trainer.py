@@ -54,12 +54,12 @@ from openflash.model.transformer import Transformer
 from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_FILE, checkpoint_dirs,
                                latest_checkpoint, read_checkpoint_weights, read_trainer_state,
                                remove_partial_checkpoints, truncate_metrics)
+from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads, init_from_env
-from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param,
-                                   load_stats, reset_expert_loads, update_router_bias)
+from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
+                                   reset_expert_loads, update_router_bias)
 from openflash.train.threads import ThreadTuner
-from openflash.train.tokenizer import load_tokenizer
 
 # A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
 # far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
