@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from openflash.checkpoint import build_model
 from openflash.config import load_config
 from openflash.model.numerics import FP32
-from openflash.model.transformer import Transformer
 from openflash.plan import build_plan
+from openflash.tokenizer import preset_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -62,7 +63,7 @@ def attention_flops_per_token(cfg, context: int) -> float:
 def bench(preset: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float) -> dict:
     cfg = load_config(preset)
     torch.manual_seed(0)
-    model = Transformer(cfg).eval().set_numerics(FP32)
+    model = build_model(cfg, preset_tokenizer(cfg), FP32).eval()
     plan = build_plan(preset)
     ids = torch.randint(3, cfg.vocab_size, (1, prompt_len))
     model.step(ids[:, :32], model.new_cache(1))  # warm-up (token map, allocations)

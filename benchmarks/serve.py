@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
+from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.generate import load_for_inference
 from openflash.engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
@@ -274,7 +274,7 @@ def main() -> None:
                      "presets": {}}
     for preset in args.presets:
         print(f"== {preset}", flush=True)
-        model, tok, _ = load_for_inference(preset)
+        model, tok, _ = open_model(preset)
         r: dict = {}
         r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens)
         one = next((x for x in r["concurrency"] if x["clients"] == 1), None)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
-from openflash.model.numerics import NUMERICS
-from openflash.model.transformer import Transformer
+from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
                                    update_router_bias)
 
@@ -44,7 +44,7 @@ def matmul_peak(n: int = 2048, reps: int = 8, rounds: int = 5) -> float:
     return best
 
 
-def active_matrix_params(model: Transformer) -> int:
+def active_matrix_params(model: torch.nn.Module) -> int:
     cfg = model.cfg
     total = 0.0
     for name, p in model.named_parameters():
@@ -73,7 +73,7 @@ def attention_flops_per_token(cfg: FlashConfig, seq_len: int) -> float:
 def bench_preset(preset: str, batch: int, seq_len: int, steps: int) -> dict:
     torch.manual_seed(0)
     cfg = load_config(preset).replace(weight_dtype="fp32", expert_dtype="fp32")
-    model = Transformer(cfg).set_numerics(NUMERICS["train"]).train()
+    model = build_model(cfg, preset_tokenizer(cfg), "train").train()
     opt = TrainOptimizer(model, OptimConfig(lr=1e-3))
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)

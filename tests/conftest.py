@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openflash.engine.generate import load_for_inference
+from openflash.checkpoint import open_model
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +20,6 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_engine_model():
-    """The tiny preset with random weights and no quantization, with the DeepSeek tokenizer: (model, tokenizer)."""
-    model, tok, _ = load_for_inference("tiny", numerics="plain")
+    """The tiny preset with random weights and no quantization, with its tokenizer: (model, tokenizer)."""
+    model, tok, _ = open_model("tiny", numerics="plain")
     return model, tok

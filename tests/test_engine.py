@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from openflash import formats
+from openflash.checkpoint import open_model
 from openflash.config import load_config
 from openflash.engine.cache import (BlockPool, CacheFactory, EntryLayout, concat_rows, encode_kv_exact, release,
                                     select_rows)
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.generate import generate, load_for_inference
+from openflash.engine.generate import generate
 from openflash.engine.request import (ABORT, LENGTH, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
                                       QueueFullError, Sequence, SequenceStatus)
 from openflash.engine.sampling import SamplerState, SamplingParams
@@ -292,7 +293,7 @@ def test_engram_host_tier_gives_identical_outputs():
 
     models = []
     for _ in range(2):
-        model, tok, _ = load_for_inference("tiny", numerics="plain")
+        model, tok, _ = open_model("tiny", numerics="plain")
         for lid in model.cfg.engram_layer_ids:  # the host tier holds FP8 rows; give both models the same tables
             model.layers[lid].engram.embed = model.layers[lid].engram.embed.to_fp8()
         models.append(model)

@@ -26,18 +26,20 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from openflash import formats
 from openflash.atomic import write_text_atomic
-from openflash.config import load_config
+from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.manifest import verify_manifest, write_manifest
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import Transformer
+from openflash.run_dir import latest_checkpoint
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
-from openflash.tokenizer import DEEPSEEK, load_tokenizer
+from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
 
@@ -63,6 +65,7 @@ class LoadReport:
     path: Path
     tensors: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # unimplemented part -> tensor count
+    tokenizer: Tokenizer | None = None  # the checkpoint's tokenizer.json, else the DeepSeek tokenizer
 
     def summary(self) -> str:
         text = f"{self.path}: loaded {self.tensors} tensors"
@@ -121,26 +124,71 @@ def _expected_dtype(tensor: torch.Tensor) -> str:
     return _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
 
 
+def build_model(cfg: FlashConfig, tokenizer: Tokenizer | None = None, numerics: str | Numerics = "fp32", *,
+                device: str | torch.device = "cpu", token_map: TokenMap | None = None) -> Transformer:
+    """The one way to assemble a model: a Transformer of `cfg` built on `device` (weights from torch's RNG; "meta"
+    allocates nothing), with its Engram frontend (from `token_map`, else from the tokenizer's map, else the DeepSeek
+    tokenizer's) and its numerics policy."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if cfg.engram_layer_ids:
+        model.attach_engram_frontend(EngramFrontend.from_token_map(cfg, token_map) if token_map is not None
+                                     else EngramFrontend.for_config(cfg, tokenizer))
+    return model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """A checkpoint folder as given, or the latest checkpoint of a training run folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a checkpoint folder")
+    if (folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists():
+        return folder
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        raise CheckpointError(f"{folder}: neither a checkpoint (no {SINGLE_FILE} or {INDEX_FILE}) nor a training run "
+                              f"with checkpoints")
+    return latest
+
+
+def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
+               verify: bool = False) -> tuple[Transformer, Tokenizer, str]:
+    """(model in eval mode, tokenizer, note) for a preset name (random weights, seed 0, for smoke tests and
+    benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
+    if spec in PRESETS:
+        cfg = load_config(spec)
+        tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
+        torch.manual_seed(0)
+        return build_model(cfg, tok, numerics, device=device).eval(), tok, \
+            f"preset '{spec}' with random weights (outputs are noise)"
+    model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify)
+    return model, report.tokenizer, report.summary()
+
+
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
                     tokenizer_path: str | Path | None = None,
                     skip_engram_tables: bool = False, verify: bool = False) -> tuple[Transformer, LoadReport]:
-    """Build the model of a checkpoint folder and load its weights; returns (model in eval mode, report).
+    """Build the model of a checkpoint folder (or of a training run folder's latest checkpoint) and load its
+    weights; returns (model in eval mode, report with the tokenizer).
 
     skip_engram_tables: leave the Engram tables (`layers.N.engram.embed.*`, 189 GiB released) unread, on the meta
     device, for a host / disk / sharded tier to serve (memory/placement.py); their names and shapes are still checked.
     verify: first check every file against the folder's checksums.sha256 (manifest.py); off by default.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a checkpoint folder")
+    folder = checkpoint_folder(path)
     if verify:
         verify_manifest(folder)
     cfg = load_config(folder)
     files = _TensorFiles(folder)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
+    tokenizer = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
+    token_map = TokenMap.from_file(folder / TOKEN_MAP_FILE, cfg) \
+        if cfg.engram_layer_ids and (folder / TOKEN_MAP_FILE).is_file() else None
+    if token_map is not None:
+        log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
+    model = build_model(cfg, tokenizer, numerics, device="meta", token_map=token_map)
     expected = model.state_dict()
-    report = LoadReport(folder)
+    report = LoadReport(folder, tokenizer=tokenizer)
 
     problems: list[str] = []
     present = set(files.names())
@@ -208,15 +256,6 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     model.load_state_dict(state, assign=True, strict=not skip_engram_tables)
     _materialize_runtime_buffers(model, device)
     report.tensors = len(state)
-    tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
-    if cfg.engram_layer_ids and (folder / TOKEN_MAP_FILE).is_file():
-        model.attach_engram_frontend(EngramFrontend.from_token_map(cfg, TokenMap.from_file(folder / TOKEN_MAP_FILE,
-                                                                                           cfg)))
-        log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
-    elif cfg.engram_layer_ids:
-        tokenizer = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
-        model.attach_engram_frontend(EngramFrontend.for_config(cfg, tokenizer))
-    model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
     return model.eval(), report
 
 

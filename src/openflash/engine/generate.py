@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
-from openflash.config import PRESETS, load_config
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
-from openflash.memory.frontend import EngramFrontend
 from openflash.model.transformer import Transformer
-from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 
 @dataclass
@@ -35,38 +31,6 @@ class GenerationResult:
     def decode_tokens_per_second(self) -> float:
         steps = max(len(self.token_ids) - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-def load_for_inference(model: str, tokenizer: str | None = None, numerics: str = "fp32",
-                       device: str = "cpu", verify: bool = False) -> tuple[Transformer, Tokenizer, str]:
-    """(model, tokenizer, note) from a checkpoint folder, or a preset with random weights (for smoke tests).
-    verify: check the checkpoint's files against its checksums.sha256 before loading."""
-    if model in PRESETS:
-        cfg = load_config(model)
-        tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
-        torch.manual_seed(0)
-        net = Transformer(cfg).to(device)
-        if cfg.engram_layer_ids:
-            net.attach_engram_frontend(EngramFrontend.for_config(cfg, tok))
-        from openflash.model.numerics import NUMERICS
-        net.set_numerics(NUMERICS[numerics]).eval()
-        return net, tok, f"preset '{model}' with random weights (outputs are noise)"
-    from openflash.checkpoint import load_checkpoint
-    from openflash.run_dir import latest_checkpoint
-
-    folder = Path(model)
-    if folder.is_dir() and not (folder / "model.safetensors").exists() and not (folder / "model.safetensors.index.json").exists():
-        # a training run folder: serve its latest checkpoint
-        latest = latest_checkpoint(folder)
-        if latest is None:
-            raise OpenflashError(f"{folder}: neither a checkpoint (no model.safetensors) nor a training run with "
-                                 f"checkpoints")
-        folder = latest
-    tok_path = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
-    net, report = load_checkpoint(folder, device=device, numerics=numerics,
-                                  tokenizer_path=tok_path if tok_path.exists() else None, verify=verify)
-    tok = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
-    return net, tok, report.summary()
 
 
 @torch.no_grad()
@@ -111,7 +75,9 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
 
 
 def cli_generate(args: Any) -> int:
-    model, tok, note = load_for_inference(args.model, args.tokenizer, verify=args.verify)
+    from openflash.checkpoint import open_model
+
+    model, tok, note = open_model(args.model, args.tokenizer, verify=args.verify)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     result = generate(model, tok, args.prompt, params)

@@ -514,8 +514,8 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, ta
 def cli_serve(args: Any) -> int:
     import uvicorn
 
+    from openflash.checkpoint import open_model
     from openflash.config import PRESETS
-    from openflash.engine.generate import load_for_inference
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
@@ -523,7 +523,7 @@ def cli_serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    model, tokenizer, note = load_for_inference(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
+    model, tokenizer, note = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:

@@ -43,14 +43,11 @@ import torch
 from tqdm import tqdm
 
 from openflash.atomic import write_json_atomic
-from openflash.checkpoint import save_checkpoint
+from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import build_compressed_token_map
-from openflash.model.numerics import NUMERICS
-from openflash.model.transformer import Transformer
 from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_FILE, checkpoint_dirs,
                                latest_checkpoint, read_checkpoint_weights, read_trainer_state,
                                remove_partial_checkpoints, truncate_metrics)
@@ -183,11 +180,7 @@ class Trainer:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(self.model_cfg)
-        if self.model_cfg.engram_layer_ids:
-            tokenizer = load_tokenizer(self.tokenizer_path)
-            self.model.attach_engram_frontend(EngramFrontend.for_config(self.model_cfg, tokenizer))
-        self.model.set_numerics(NUMERICS["train"]).train()
+        self.model = build_model(self.model_cfg, load_tokenizer(self.tokenizer_path), "train").train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
