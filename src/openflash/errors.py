@@ -18,5 +18,15 @@ class CheckpointError(OpenflashError):
     """A checkpoint folder or tensor does not match the expected layout."""
 
 
+class RequestError(OpenflashError):
+    """A generation request that cannot run as given. `param` names the request field at fault (a SamplingParams
+    field such as "max_tokens"), or is None when the prompt itself is (empty, ids outside the vocabulary); the
+    server turns it into an error body's `param` without parsing the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngramTableError(OpenflashError):
     """An Engram table file is missing, truncated, mismatched or unreadable."""

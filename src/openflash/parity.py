@@ -24,7 +24,7 @@ Tolerances of the teacher-forced run:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,23 @@ def _offset_topk(picks: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.where(picks >= 0, picks + offset, picks).to(torch.int32)
 
 
+@dataclass
+class GoldenProbe:
+    """Records the model's intermediates under the goldens' names (`prefix` + name) and, with a teacher (the
+    recorded reference tensors), continues each block from the reference's tensor (model/context.py Probe)."""
+
+    prefix: str
+    teacher: dict[str, torch.Tensor] | None = None
+    recorded: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        self.recorded[self.prefix + name] = value.detach()
+
+    def force(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        ref = None if self.teacher is None else self.teacher.get(self.prefix + name)
+        return value if ref is None else ref.to(value.dtype).to(value.device).view(value.shape)
+
+
 def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forced: bool = True) -> list[Comparison]:
     folder = Path(golden_dir)
     for name in ("config.json", "inputs.json", "expected.safetensors"):
@@ -66,11 +83,10 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
 
     prompt = torch.tensor(inputs["input_ids"], dtype=torch.long)
     cache = model.new_cache(prompt.shape[0])
-    record: dict[str, torch.Tensor] = {}
     teacher = expected if teacher_forced else None
-    logits_all = model.step(prompt, cache, record=record, record_prefix="prefill.", all_logits=True,
-                            teacher=teacher)
-    _collect(record, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
+    probe = GoldenProbe("prefill.", teacher)
+    logits_all = model.step(prompt, cache, probe=probe, all_logits=True)
+    _collect(probe.recorded, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
     ours["prefill.logits_all"] = logits_all
     ours["prefill.logits_last"] = logits_all[:, -1]
     ours["prefill.next_token"] = logits_all[:, -1].argmax(-1)
@@ -78,9 +94,9 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     generated = [int(ours["prefill.next_token"][0])]
     for t in range(inputs["decode_steps"]):
         token = expected[f"decode{t}.input_token"].view(-1, 1)
-        record = {}
-        logits = model.step(token, cache, record=record, record_prefix=f"decode{t}.", teacher=teacher)
-        _collect(record, ours, f"decode{t}.", offset=cfg.sliding_window, cfg=cfg)
+        probe = GoldenProbe(f"decode{t}.", teacher)
+        logits = model.step(token, cache, probe=probe)
+        _collect(probe.recorded, ours, f"decode{t}.", offset=cfg.sliding_window, cfg=cfg)
         ours[f"decode{t}.logits"] = logits
         ours[f"decode{t}.next_token"] = logits.argmax(-1)
         generated.append(int(logits.argmax(-1)[0]))

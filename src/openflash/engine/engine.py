@@ -32,7 +32,7 @@ from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
                                       validate_prompt)
-from openflash.engine.runner import PREFILL_MODES, ModelRunner
+from openflash.engine.runner import PREFILL_MODES, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
@@ -92,7 +92,7 @@ def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
 
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 memory: Any = None) -> None:
+                 memory: EngramTier | None = None) -> None:
         self.config = config.validate()
         if config.kv_storage == "packed" and not model.numerics.cache_qdq:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "

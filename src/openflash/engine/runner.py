@@ -13,22 +13,34 @@ computed from the token ids before the model runs, which starts fetching the row
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from openflash.engine.cache import CacheFactory, concat_rows, release, select_rows
 from openflash.engine.request import Sequence
-from openflash.model.cache import ModelCache, ReplayBuffer
-from openflash.model.context import CompressedView, StepContext
+from openflash.model.cache import ModelCache
 from openflash.model.transformer import Transformer
 
 PREFILL_MODES = ("bounded", "exact")
 
 
+class EngramTier(Protocol):
+    """What the engine needs of an Engram memory tier (implemented by memory/placement.py's EngramMemory)."""
+
+    def prepare(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:
+        """Hash ids of a chunk or decode step after `cache` (advancing its hash history); starts fetching rows."""
+
+    def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
+        """Start fetching the rows of each row's k likeliest next tokens."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /metrics."""
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, prefill_mode: str = "bounded",
-                 memory: Any = None, speculate_k: int = 0) -> None:
+                 memory: EngramTier | None = None, speculate_k: int = 0) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
@@ -116,14 +128,11 @@ class ModelRunner:
         (compressed KV, empty windows): run the last `sliding_window` prefix tokens over the cached global KV.
 
         Every owner layer's compressed view is published up front, so no compressor runs and the cached entries are
-        never rewritten; per-query visibility keeps the replay causal. In bounded mode only the encoder half runs
-        and its output becomes the pending decoder-half input, as a chunked bounded prefill would leave it.
-        (Uses the model's layer loop directly: the public `step` would recompress the replayed tokens.)
+        never rewritten (Transformer.replay). In bounded mode only the encoder half runs.
         """
         model, cfg = self.model, self.model.cfg
         start = max(0, num_tokens - cfg.sliding_window)
         ids = torch.tensor([prompt_ids[start:num_tokens]], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, num_tokens, device=self.device).unsqueeze(0)
         hash_ids = None
         if cfg.engram_layer_ids:
             frontend = model.engram_frontend
@@ -133,12 +142,4 @@ class ModelRunner:
             if before.shape[1]:
                 _, state = frontend.hash(before, state)
             hash_ids, cache.engram = frontend.hash(ids, state)
-        views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
-        ctx = StepContext(positions, model.numerics, cache=cache, compressed=views)
-        n_layers, split = len(model.layers), cfg.topology.decoder_start
-        bounded = self.prefill_mode == "bounded" and split < n_layers and cfg.topology.bounded_replay_ok
-        residual, pre = model._streams(ids)
-        residual, pre = model._layers(residual, pre, range(split if bounded else n_layers), ctx, hash_ids, None)
-        if bounded:
-            cache.replay = ReplayBuffer(residual, pre, positions)
-        cache.pos = torch.tensor([num_tokens], dtype=torch.long, device=self.device)
+        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", hash_ids=hash_ids)

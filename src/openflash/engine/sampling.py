@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openflash.errors import OpenflashError
+from openflash.errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -25,18 +25,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def validate(self, max_tokens_limit: int | None = None) -> "SamplingParams":
-        """Raise OpenflashError naming the first invalid field."""
+        """Raise RequestError naming the first invalid field."""
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and 0 <= self.temperature <= 100):
-            raise OpenflashError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}",
+                               param="temperature")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise OpenflashError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise OpenflashError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", param="top_k")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise OpenflashError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
-            raise OpenflashError(f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}")
+            raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}",
+                               param="max_tokens")
         return self
 
     @property

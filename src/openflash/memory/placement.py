@@ -40,7 +40,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +55,15 @@ from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tiers.sharded import ShardedTable
 
 MAX_PENDING = 8  # prefetches kept waiting for their step; older ones are dropped as stale
+
+
+class HashedSequences(Protocol):
+    """What this memory reads and advances of a model cache: its batch size and the Engram hash history."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    engram: EngramHashState | None
 
 
 @dataclass
@@ -235,7 +244,7 @@ class EngramMemory:
         return memory
 
     # ---- before a step -------------------------------------------------------------------------------------
-    def prepare(self, input_ids: torch.Tensor, cache: Any,
+    def prepare(self, input_ids: torch.Tensor, cache: HashedSequences,
                 image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hash ids [B, S, L, C] of a prefill chunk or decode step [B, S] following `cache`; advances
         `cache.engram` and starts gathering the rows. Pass the result to `model.step(..., hash_ids=...)`."""
@@ -277,7 +286,7 @@ class EngramMemory:
         self._stats.prepare_seconds += time.perf_counter() - start
         return hash_ids
 
-    def speculate(self, logits: torch.Tensor, cache: Any, k: int) -> None:
+    def speculate(self, logits: torch.Tensor, cache: HashedSequences, k: int) -> None:
         """Start gathering the rows of the k likeliest next tokens of each row of `logits` [B, V] (step t's
         output), without advancing the cache's hash state. The next `prepare` uses them for every row whose
         sampled token is among the candidates, and measures that coverage."""

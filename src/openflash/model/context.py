@@ -9,11 +9,24 @@ that exists for one call only, and carried state lives in the `ModelCache`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import Numerics
+
+
+class Probe(Protocol):
+    """Observes named intermediates of one forward call (parity.py implements it for the golden comparisons).
+    Absent (None), the model spends nothing on it."""
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        """Keep `value` (the model's tensor at the point called `name`)."""
+
+    def force(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The tensor the model continues with at `name`: `value`, or a recorded reference tensor (teacher
+        forcing, so each block is compared on identical inputs and one rounding difference cannot snowball)."""
 
 
 @dataclass
@@ -35,19 +48,11 @@ class StepContext:
     candidates: torch.Tensor | None = None  # [B, S, T] bool
     dense_indexer: bool = False  # indexer warm-up: attend to every visible compressed entry
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
-    record: dict[str, torch.Tensor] | None = None  # intermediates for parity checks, keyed like the goldens
-    record_prefix: str = ""
-    # Teacher forcing for parity checks: recorded reference tensors that replace ours at the same points, so
-    # each block is compared on identical inputs and a rounding difference in one cannot snowball into the next.
-    teacher: dict[str, torch.Tensor] | None = None
+    probe: Probe | None = None  # parity checks: observes intermediates, keyed like the goldens
 
     def put(self, name: str, value: torch.Tensor) -> None:
-        if self.record is not None:
-            self.record[f"{self.record_prefix}{name}"] = value.detach()
+        if self.probe is not None:
+            self.probe.record(name, value)
 
     def forced(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """The teacher's tensor for `name` if one is given, else `value`."""
-        if self.teacher is None:
-            return value
-        ref = self.teacher.get(f"{self.record_prefix}{name}")
-        return value if ref is None else ref.to(value.dtype).to(value.device).view(value.shape)
+        return value if self.probe is None else self.probe.force(name, value)

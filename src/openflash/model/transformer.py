@@ -30,7 +30,7 @@ from openflash.config import FlashConfig, LayerTopology
 from openflash.memory.frontend import EngramFrontend
 from openflash.model.attention import Attention
 from openflash.model.cache import ModelCache, ReplayBuffer
-from openflash.model.context import CompressedView, StepContext
+from openflash.model.context import CompressedView, Probe, StepContext
 from openflash.model.engram import Engram
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix, hc_coefficients
@@ -191,11 +191,11 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 hash_ids: torch.Tensor | None = None, dense_indexer: bool = False,
                 image_mask: torch.Tensor | None = None,
-                record: dict[str, torch.Tensor] | None = None) -> ForwardOutput:
+                probe: Probe | None = None) -> ForwardOutput:
         """Full causal sequences [B, S] from position 0."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
-        ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, record=record)
+        ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe)
         if hash_ids is None:
             hash_ids = self.hash_ids(input_ids, None, image_mask)
         residual, pre = self._streams(input_ids)
@@ -211,8 +211,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
              hash_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
-             record: dict[str, torch.Tensor] | None = None, record_prefix: str = "",
-             teacher: dict[str, torch.Tensor] | None = None, all_logits: bool = False) -> torch.Tensor | None:
+             probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor | None:
         """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
         each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
 
@@ -234,8 +233,7 @@ class Transformer(nn.Module):
         if hash_ids is None:
             hash_ids = self.hash_ids(input_ids, cache, image_mask)
         # else: the caller hashed ahead (to prefetch rows) and has advanced cache.engram itself.
-        ctx = StepContext(positions, self.numerics, cache=cache, record=record, record_prefix=record_prefix,
-                          teacher=teacher)
+        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe)
         if hash_ids is not None:
             ctx.put("engram_hash", hash_ids)
         residual, pre = self._streams(input_ids)
@@ -259,12 +257,34 @@ class Transformer(nn.Module):
         if not last_chunk:
             return None
         replay, cache.replay = cache.replay, None
-        tail_ctx = StepContext(replay.positions, self.numerics, cache=cache, record=record,
-                               record_prefix=record_prefix, compressed={split: ctx.compressed[split]},
-                               teacher=teacher)
+        tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
+                               compressed={split: ctx.compressed[split]}, probe=probe)
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      None)
         return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1]
+
+    @torch.no_grad()
+    def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
+               hash_ids: torch.Tensor | None = None) -> None:
+        """Rebuild a cache's bounded state from the last tokens [1, S] (positions start..start+S-1) of a prefix
+        whose global state (compressed KV and index keys) the cache already holds, as prefix caching restores one.
+
+        Every owner layer's compressed view is published up front, so no compressor runs and no cached entry is
+        rewritten; per-query visibility keeps the replay causal. With `bounded` (and a model whose bounded replay is
+        exact, `Topology.bounded_replay_ok`) only the encoder half runs and its output becomes the pending
+        decoder-half input, as a chunked bounded prefill would leave it. `hash_ids` (Engram) are the caller's, with
+        `cache.engram` already advanced past the prefix."""
+        S = input_ids.shape[1]
+        positions = torch.arange(start, start + S, device=input_ids.device).unsqueeze(0)
+        views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
+        ctx = StepContext(positions, self.numerics, cache=cache, compressed=views)
+        n_layers, split = len(self.layers), self.cfg.topology.decoder_start
+        bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok
+        residual, pre = self._streams(input_ids)
+        residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, hash_ids, None)
+        if bounded:
+            cache.replay = ReplayBuffer(residual, pre, positions)
+        cache.pos = torch.tensor([start + S], dtype=torch.long, device=input_ids.device)
 
     def _note_exact_prefill(self) -> None:
         if not self._noted_exact_prefill:

@@ -38,7 +38,7 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError, QueueFullError,
                                       RequestOutput)
 from openflash.engine.sampling import SamplingParams
-from openflash.errors import OpenflashError
+from openflash.errors import OpenflashError, RequestError
 from openflash.manifest import verify_manifest
 from openflash.serve import metrics as prom
 from openflash.serve.chat_template import ChatTemplate
@@ -50,7 +50,6 @@ from openflash.serve.protocol import (LONE_SURROGATE, AssistantMessage, ChatChoi
                                       ModelList, PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
 
 log = logging.getLogger("openflash.serve")
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
 
 class APIError(Exception):
@@ -170,10 +169,8 @@ class OpenflashServer:
                                 stop_token_ids=tuple(body.stop_token_ids or ()))
         try:
             return params.validate()
-        except OpenflashError as exc:
-            field = str(exc).split()[0]
-            raise APIError(422, str(exc), param=field if field in SAMPLING_FIELDS else None,
-                           code="invalid_value") from None
+        except RequestError as exc:
+            raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
 
     def check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.cfg.vocab_size
@@ -200,10 +197,9 @@ class OpenflashServer:
             raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
         except EngineStoppedError as exc:
             raise APIError(503, str(exc), "server_error", code="shutting_down") from None
-        except OpenflashError as exc:
-            field = str(exc).split()[0]
-            if field in SAMPLING_FIELDS:
-                raise APIError(422, str(exc), param=field, code="invalid_value") from None
+        except RequestError as exc:  # a sampling field (422), or the prompt itself (400)
+            if exc.param is not None:
+                raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
             raise APIError(400, str(exc), param=param) from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
