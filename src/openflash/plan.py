@@ -12,8 +12,7 @@ counted from their config shapes (spec vision_and_dspark.md, checkpoint.md §3.7
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -162,35 +161,9 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
         layers=layers)
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.2f} {unit}" if unit != "B" else f"{int(n):,} B"
         n /= 1024
     return str(n)
-
-
-def cli_plan(args: Any) -> int:
-    plan = build_plan(args.config, args.context, args.engram_placement)
-    if args.json:
-        print(json.dumps(asdict(plan), indent=1))
-        return 0
-    rows = [
-        ("parameters, total", plan.params_total),
-        ("  backbone (built)", plan.params_backbone),
-        ("  Engram tables (built)", plan.params_engram_tables),
-        ("  DSpark draft stages (from shapes, not built)", plan.params_dspark),
-        ("  vision tower + aligner (from shapes, not built)", plan.params_vision),
-        ("active per prompt token (encoder half, CED)", plan.active_prefill_token),
-        ("active per generated token (all layers)", plan.active_decode_token),
-    ]
-    print(f"openflash plan: {plan.config}")
-    for label, value in rows:
-        print(f"  {label:<52} {value:>20,}")
-    print("  bytes as stored (FP8 / FP4 / bf16), by location:")
-    for where, n in plan.bytes_by_location.items():
-        print(f"    {where:<50} {_fmt_bytes(n):>20}")
-    print(f"  global KV cache per token (FP4 main KV + MXFP4 index keys) {plan.kv_bytes_per_token:>13,} B")
-    print(f"  window state per sequence (FP8 rings)                     {_fmt_bytes(plan.window_bytes_per_sequence):>15}")
-    print(f"  KV at {plan.context:,} tokens: {_fmt_bytes(plan.kv_bytes_at_context)}")
-    return 0

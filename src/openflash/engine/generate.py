@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -72,17 +71,3 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
         logits = model.decode(torch.tensor([token], device=device), cache)
     decode_s = time.perf_counter() - start
     return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)
-
-
-def cli_generate(args: Any) -> int:
-    from openflash.checkpoint import open_model
-
-    model, tok, note = open_model(args.model, args.tokenizer, verify=args.verify)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
-    result = generate(model, tok, args.prompt, params)
-    print(f"# {note}")
-    print(args.prompt + result.text)
-    print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
-          f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
-    return 0

@@ -6,7 +6,6 @@ evaluation lines carry `step` and `val_loss`. Lines with neither are other recor
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -85,10 +84,3 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
-
-
-def cli_plot(args: argparse.Namespace) -> int:
-    """`openflash plot RUN_DIR [--out PNG]`."""
-    path = plot_run(args.run_dir, args.out)
-    print(f"wrote {path}")
-    return 0

@@ -11,7 +11,6 @@ from `.partial` to their final name (tmp + rename), so a final-named shard is al
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -35,8 +34,7 @@ from openflash.errors import OpenflashError
 from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
 from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, ShardInfo,
                                      SplitInfo, check_same_args, docs_name, shard_name, token_dtype)
-from openflash.train.tokenizer import (DEFAULT_PATTERNS, EOS_ID, SourceFile, parse_patterns, read_text_file,
-                                       walk_sources)
+from openflash.train.tokenizer import DEFAULT_PATTERNS, EOS_ID, SourceFile, read_text_file, walk_sources
 
 PROGRESS_FILE = "progress.json"
 LOCK_FILE = "prepare.lock"
@@ -402,10 +400,3 @@ def _print_summary(m: Manifest, out_dir: Path, new_tokens: int, seconds: float) 
                 print(f"  {item['path']}: {item['reason']}")
     if val.num_tokens == 0 and m.val_fraction > 0:
         print("warning: no document fell into the validation split; use more files or a larger --val-fraction")
-
-
-def cli_prepare(args: argparse.Namespace) -> int:
-    """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`."""
-    prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                    patterns=parse_patterns(args.glob), seed=args.seed)
-    return 0

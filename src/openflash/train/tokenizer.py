@@ -9,11 +9,9 @@ Text files are found and read here too (`iter_text_files`, `read_text_file`) bec
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import os
 import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -173,16 +171,3 @@ def train_bpe_tokenizer(files: list[Path], vocab_size: int, out: Path, max_bytes
     tokenizer.save(str(tmp), pretty=True)
     os.replace(tmp, out)
     return tokenizer
-
-
-def cli_train(args: argparse.Namespace) -> int:
-    """`openflash tokenizer train SOURCES... --vocab-size N --out tokenizer.json [--glob ...]`."""
-    files = list(iter_text_files(args.sources, parse_patterns(args.glob)))
-    if not files:
-        raise OpenflashError(f"no files matching {args.glob} under {', '.join(map(str, args.sources))}")
-    start = time.perf_counter()
-    tokenizer = train_bpe_tokenizer(files, args.vocab_size, Path(args.out))
-    seconds = time.perf_counter() - start
-    print(f"trained byte-level BPE on {len(files)} files: vocab size {tokenizer.get_vocab_size(with_added_tokens=True)}"
-          f" in {seconds:.1f} s -> {args.out}")
-    return 0

@@ -25,7 +25,6 @@ only the newest `keep_checkpoints` are kept. Ctrl-C finishes the current step, s
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -35,7 +34,7 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +52,7 @@ from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_F
                                remove_partial_checkpoints, truncate_metrics)
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
-from openflash.train.distributed import DistContext, all_reduce_grads, init_from_env
+from openflash.train.distributed import DistContext, all_reduce_grads
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.threads import ThreadTuner
@@ -513,24 +512,4 @@ class Trainer:
 # CLI
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    names = {f.name for f in fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    return TrainConfig(**values)
-
-
-def cli_train(args: argparse.Namespace) -> int:
-    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks)."""
-    cfg = config_from_args(args)
-    ctx = init_from_env()
-    try:
-        result = Trainer(cfg, ctx).fit()
-    finally:
-        if ctx.enabled:
-            torch.distributed.destroy_process_group()
-    if ctx.is_main and result.stopped_by == "interrupt":
-        print(f"resume with: openflash train --data {cfg.data} --out {cfg.out} --resume")
-    return 0
-
-
-__all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config", "cli_train"]
+__all__ = ["TrainConfig", "Trainer", "FitResult", "training_model_config"]

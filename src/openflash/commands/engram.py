@@ -1,23 +1,29 @@
-"""`openflash engram ...` command handlers."""
+"""`openflash engram hash` and `engram export`: the Engram hash of a text, and table files for the disk tier.
+
+Each handler takes the parsed arguments and returns an exit code (cli.py declares the arguments)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
+from tqdm import tqdm
 
 from openflash.config import load_config
 from openflash.errors import ConfigError
+from openflash.memory.checkpoint_tables import ExportedTable, export_engram_tables
 from openflash.memory.hashing import EngramHashLayout, NgramHasher
 from openflash.memory.tokenmap import TokenMap
-from openflash.tokenizer import DEEPSEEK, deepseek_tokenizer_path, load_tokenizer
+from openflash.tokenizer import deepseek_tokenizer_path, load_tokenizer, preset_tokenizer
 
 
-def cli_hash(args: argparse.Namespace) -> int:
+def hash_text(args: argparse.Namespace) -> int:
     """`openflash engram hash`: token ids, compressed ids and Engram row ids of a text, one Engram layer at a time."""
     config = load_config(args.config)
-    tokenizer = load_tokenizer(args.tokenizer or DEEPSEEK)
+    # default: DeepSeek's, cut to the config's vocabulary when that is smaller (a preset's own tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else preset_tokenizer(config)
     try:
         token_map = TokenMap.for_config(tokenizer, config)
         layout = EngramHashLayout.from_config(config, token_map)
@@ -43,7 +49,7 @@ def cli_hash(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
 
-    source = args.tokenizer if args.tokenizer is not None else deepseek_tokenizer_path()
+    source = args.tokenizer or f"{deepseek_tokenizer_path()} (first {tokenizer.get_vocab_size(with_added_tokens=True)} ids)"
     print(f"tokenizer: {source} (token map over {len(token_map)} ids)")
     print(f"token ids ({len(result['token_ids'])}): {result['token_ids']}")
     print(f"tokens: {[tokenizer.id_to_token(i) for i in result['token_ids']]}")
@@ -61,17 +67,7 @@ def cli_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# `openflash engram export` (table files; see tables.py)
-
-import sys  # noqa: E402
-
-from tqdm import tqdm  # noqa: E402
-
-from openflash.memory.checkpoint_tables import ExportedTable, export_engram_tables  # noqa: E402
-
-
-def cli_export(args: argparse.Namespace) -> int:
+def export(args: argparse.Namespace) -> int:
     """`openflash engram export`: write each Engram layer's table of a checkpoint as a memory-mappable file."""
     bars: dict[int, tqdm] = {}
 

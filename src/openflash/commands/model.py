@@ -1,0 +1,96 @@
+"""`openflash config show`, `plan`, `parity`, `verify`: inspecting configs, plans, goldens and checksums.
+
+Each handler takes the parsed arguments and returns an exit code (cli.py declares the arguments)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from openflash.config import load_config, topology_table
+from openflash.errors import OpenflashError
+from openflash.manifest import read_manifest, verify_manifest, write_manifest
+from openflash.model.numerics import NUMERICS
+from openflash.parity import free_running_summary, run_golden
+from openflash.plan import build_plan, format_bytes
+
+
+def config_show(args: Any) -> int:
+    cfg = load_config(args.config)
+    if args.json:
+        print(json.dumps({"layers": [t.as_dict() for t in cfg.topology.layers],
+                          "decoder_start": cfg.topology.decoder_start}, indent=1))
+    else:
+        print(topology_table(cfg))
+        print(f"\nencoder: layers 0-{cfg.topology.decoder_start - 1}   "
+              f"decoder: layers {cfg.topology.decoder_start}-{cfg.num_hidden_layers - 1}")
+    return 0
+
+
+def plan(args: Any) -> int:
+    plan = build_plan(args.config, args.context, args.engram_placement)
+    if args.json:
+        print(json.dumps(asdict(plan), indent=1))
+        return 0
+    rows = [
+        ("parameters, total", plan.params_total),
+        ("  backbone (built)", plan.params_backbone),
+        ("  Engram tables (built)", plan.params_engram_tables),
+        ("  DSpark draft stages (from shapes, not built)", plan.params_dspark),
+        ("  vision tower + aligner (from shapes, not built)", plan.params_vision),
+        ("active per prompt token (encoder half, CED)", plan.active_prefill_token),
+        ("active per generated token (all layers)", plan.active_decode_token),
+    ]
+    print(f"openflash plan: {plan.config}")
+    for label, value in rows:
+        print(f"  {label:<52} {value:>20,}")
+    print("  bytes as stored (FP8 / FP4 / bf16), by location:")
+    for where, n in plan.bytes_by_location.items():
+        print(f"    {where:<50} {format_bytes(n):>20}")
+    print(f"  global KV cache per token (FP4 main KV + MXFP4 index keys) {plan.kv_bytes_per_token:>13,} B")
+    print(f"  window state per sequence (FP8 rings)                     {format_bytes(plan.window_bytes_per_sequence):>15}")
+    print(f"  KV at {plan.context:,} tokens: {format_bytes(plan.kv_bytes_at_context)}")
+    return 0
+
+
+def parity(args: Any) -> int:
+    if args.numerics not in NUMERICS:
+        raise OpenflashError(f"unknown numerics {args.numerics!r}")
+    all_ok = True
+    report = {}
+    for folder in args.golden_dir:
+        results = run_golden(folder, args.numerics, teacher_forced=True)
+        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False))
+        ok = all(c.passed for c in results)
+        all_ok &= ok
+        report[folder] = {"pass": ok, "teacher_forced": [c.__dict__ for c in results], "free_running": free}
+        if not args.json:
+            print(f"== {folder} ({args.numerics} numerics, teacher-forced): {'PASS' if ok else 'FAIL'}")
+            for c in results:
+                if c.kind == "int":
+                    print(f"  {'ok  ' if c.passed else 'FAIL'} {c.key:<40} exact: {c.note}")
+                else:
+                    print(f"  {'ok  ' if c.passed else 'FAIL'} {c.key:<40} max|d|={c.max_abs:.3e} "
+                          f"max rel={c.max_rel:.3e} {c.note}")
+            print(f"  free-running (informational): max logit |d| = {free['max_logit_abs_error']:.3e}, "
+                  f"greedy tokens {'match' if free['generated_tokens_match'] else 'differ'}, "
+                  f"first difference beyond tolerance: {free['first_mismatch']}")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    print("PASS" if all_ok else "FAIL")
+    return 0 if all_ok else 1
+
+
+def verify(args: Any) -> int:
+    """`openflash verify PATH [--write]`."""
+    folder = Path(args.path)
+    if not folder.is_dir():
+        raise OpenflashError(f"{folder}: not a folder (give a checkpoint or Engram table folder)")
+    if args.write:
+        path = write_manifest(folder)
+        print(f"wrote {path} ({len(read_manifest(folder))} files)")
+        return 0
+    print(verify_manifest(folder).summary())
+    return 0

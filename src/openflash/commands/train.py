@@ -1,0 +1,82 @@
+"""`openflash data prepare`, `tokenizer train`, `train`, `plot` and `demo`: the training side.
+
+Each handler takes the parsed arguments and returns an exit code (cli.py declares the arguments)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from openflash.demo import DemoConfig, run_demo
+from openflash.errors import OpenflashError
+from openflash.train.distributed import init_from_env
+from openflash.train.plot import plot_run
+from openflash.train.prepare import prepare_dataset
+from openflash.train.tokenizer import iter_text_files, parse_patterns, train_bpe_tokenizer
+from openflash.train.trainer import TrainConfig, Trainer
+
+
+def data_prepare(args: argparse.Namespace) -> int:
+    """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`."""
+    prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                    patterns=parse_patterns(args.glob), seed=args.seed)
+    return 0
+
+
+def tokenizer_train(args: argparse.Namespace) -> int:
+    """`openflash tokenizer train SOURCES... --vocab-size N --out tokenizer.json [--glob ...]`."""
+    files = list(iter_text_files(args.sources, parse_patterns(args.glob)))
+    if not files:
+        raise OpenflashError(f"no files matching {args.glob} under {', '.join(map(str, args.sources))}")
+    start = time.perf_counter()
+    tokenizer = train_bpe_tokenizer(files, args.vocab_size, Path(args.out))
+    seconds = time.perf_counter() - start
+    print(f"trained byte-level BPE on {len(files)} files: vocab size {tokenizer.get_vocab_size(with_added_tokens=True)}"
+          f" in {seconds:.1f} s -> {args.out}")
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    return TrainConfig(**values)
+
+
+def train(args: argparse.Namespace) -> int:
+    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks)."""
+    cfg = config_from_args(args)
+    ctx = init_from_env()
+    try:
+        result = Trainer(cfg, ctx).fit()
+    finally:
+        if ctx.enabled:
+            torch.distributed.destroy_process_group()
+    if ctx.is_main and result.stopped_by == "interrupt":
+        print(f"resume with: openflash train --data {cfg.data} --out {cfg.out} --resume")
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    """`openflash plot RUN_DIR [--out PNG]`."""
+    path = plot_run(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """`openflash demo [--preset small|tiny] [--minutes 10] [--run-dir runs/demo] [--corpus DIR]`."""
+    if not args.minutes > 0:
+        raise OpenflashError(f"--minutes must be positive, got {args.minutes}")
+    cfg = DemoConfig(preset=args.preset, minutes=args.minutes, run_dir=Path(args.run_dir),
+                     corpus=Path(args.corpus) if args.corpus else None)
+    start = time.perf_counter()
+    summary = run_demo(cfg)
+    (Path(cfg.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"done in {(time.perf_counter() - start) / 60:.1f} min; summary in {cfg.run_dir}/demo_summary.json, "
+          f"loss curve: openflash plot {cfg.run_dir}/train")
+    return 0
