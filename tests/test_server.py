@@ -316,6 +316,12 @@ def test_invalid_values_that_used_to_pass(live):
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "stream": 1,
                                                         "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 422 and _error(r)["param"] == "stream"
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stream": True,
+                                                   "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 422 and _error(r)["param"] == "stream_options.include_usage"
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-test", "prompt": "x"}',
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_content_type"
     # Echoed values are cut: a 1 MiB model name does not come back as a 1 MB error.
     r = httpx.post(url + "/v1/completions", json={"model": "m" * (1 << 20), "prompt": "x"})
     assert r.status_code == 404 and len(r.content) < 4096 and "1048576 characters" in _error(r)["message"]

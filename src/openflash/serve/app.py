@@ -387,9 +387,12 @@ def _validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
     if not loc and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
         # No body, a body that is not JSON (sent without a JSON content type), or JSON that is not an object.
         try:
-            json.loads(raw)
+            parsed = json.loads(raw)
         except ValueError as bad:
             return APIError(400, f"malformed JSON body: {bad}", code="invalid_json")
+        if isinstance(parsed, dict):  # valid JSON that FastAPI did not parse: the content type says otherwise
+            return APIError(400, "the request body is JSON but its Content-Type is not application/json",
+                            code="invalid_content_type")
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     return APIError(422, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 

@@ -56,6 +56,11 @@ class _TextChecked(BaseModel):
         return data
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
 class _Request(_TextChecked):
     model_config = ConfigDict(extra="ignore")
 
@@ -65,7 +70,7 @@ class _Request(_TextChecked):
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
     n: int = Field(default=1, ge=1, le=16)
     stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: StopType = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -103,7 +108,7 @@ class _Request(_TextChecked):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Request):
