@@ -289,7 +289,7 @@ def test_wrong_table_files_fail_clearly(base, table_dir, tmp_path):
 
 
 def _bad_sector(*args, **kwargs):
-    """Stands in for os.preadv: fails like a bad disk sector."""
+    """Stands in for os.pread: fails like a bad disk sector."""
     raise OSError(5, "Input/output error")
 
 
@@ -302,7 +302,7 @@ def test_read_error_fails_that_step(base, reference, table_dir, monkeypatch):
         ids = next_tokens(reference[0], 0)
         message = re.escape(f"{disk.path.parent}/engram_layer") + r"\d+\.oftable: read error in rows .*Input/output error"
         with monkeypatch.context() as patch, pytest.raises(EngramTableError, match=message):
-            patch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
+            patch.setattr("openflash.memory.tiers.disk.os.pread", _bad_sector)
             model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
         # the memory is usable again: a new sequence gives the right logits
         assert torch.equal(run(model, memory), reference)

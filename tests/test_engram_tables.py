@@ -259,7 +259,7 @@ def test_row_cache_accounting(table_bytes, table_file):
 
 
 def _bad_sector(*args, **kwargs):
-    """Stands in for os.preadv: every read fails like a bad disk sector."""
+    """Stands in for os.pread: every read fails like a bad disk sector."""
     raise OSError(5, "Input/output error")
 
 
@@ -270,7 +270,7 @@ def test_read_error_surfaces_as_table_error(table_file, parallel, monkeypatch):
             disk.parallel_min_rows = 2
         with monkeypatch.context() as patch, \
                 pytest.raises(EngramTableError, match=rf"{table_file}: read error in rows 5\.\.\d+.*Input/output"):
-            patch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
+            patch.setattr("openflash.memory.tiers.disk.os.pread", _bad_sector)
             disk.gather(torch.tensor([9, 5, 700, 5]))
         # a later gather works again and nothing bad was cached
         assert disk.gather(torch.tensor([5])).shape == (1, DIM)
@@ -464,7 +464,7 @@ def test_prefetch_errors_are_table_errors(table_bytes, table_file, monkeypatch):
             with pytest.raises(EngramTableError, match="layer position 0 failed: RuntimeError: device lost"):
                 prefetch.rows(0)
             # a file read error in the background arrives as the table's own error
-            monkeypatch.setattr("openflash.memory.tiers.disk.os.preadv", _bad_sector)
+            monkeypatch.setattr("openflash.memory.tiers.disk.os.pread", _bad_sector)
             prefetch = prefetcher.submit(random_ids((1, 2, 2, 6)))
             with pytest.raises(EngramTableError, match=f"{table_file}: read error"):
                 prefetch.rows(1)

@@ -18,10 +18,10 @@ from openflash.memory.table_file import TableHeader, read_table_header
 
 
 class DiskTable:
-    """A table file read with positioned reads (os.preadv), an LRU row cache and a small pool of reader threads.
+    """A table file read with positioned reads (os.pread), an LRU row cache and a small pool of reader threads.
 
     Rows are gathered by unique id (each row read once per call, runs of consecutive rows in one read), served from
-    the cache when present, otherwise read from the file; preadv releases the GIL, so the pool overlaps I/O. Reads
+    the cache when present, otherwise read from the file; pread releases the GIL, so the pool overlaps I/O. Reads
     rather than a memory mapping: a mapped file that shrinks under the process turns the next access into SIGBUS,
     which kills it; a read just comes back short, and that becomes an EngramTableError naming the file.
     """
@@ -73,36 +73,33 @@ class DiskTable:
     # -- reads ---------------------------------------------------------------------------------------------
 
     def _read_range(self, ids: np.ndarray) -> np.ndarray:
-        """Records of sorted unique `ids`: one positioned read per run of consecutive rows."""
-        records = np.empty((len(ids), self.record_bytes), dtype=np.uint8)
+        """Records of sorted unique `ids` (read-only): one positioned read per run of consecutive rows, issued from a
+        list comprehension (~1 us per run; a loop over memoryviews costs 3x that), checked for short reads."""
+        fd = self._fd
+        if fd is None:
+            raise EngramTableError(f"{self.path}: the table is closed")
         cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-        for start, end in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(ids)]))):
-            first, last = int(ids[start]), int(ids[end - 1])
-            self._read_at(self.header.data_offset + first * self.record_bytes,
-                          memoryview(records[start:end]).cast("B"), first, last)
-        return records
+        bounds = np.concatenate(([0], cuts, [len(ids)]))
+        offsets = (self.header.data_offset + ids[bounds[:-1]] * self.record_bytes).tolist()
+        sizes = (np.diff(bounds) * self.record_bytes).tolist()
+        try:
+            chunks = [os.pread(fd, n, offset) for offset, n in zip(offsets, sizes)]
+        except OSError as exc:
+            raise EngramTableError(f"{self.path}: read error in rows {int(ids[0])}..{int(ids[-1])}: {exc}") from exc
+        data = b"".join(chunks)
+        if len(data) != len(ids) * self.record_bytes:  # a regular file reads short only past its end
+            run = next(r for r, (chunk, n) in enumerate(zip(chunks, sizes)) if len(chunk) != n)
+            first, last = int(ids[bounds[run]]), int(ids[bounds[run + 1] - 1])
+            raise EngramTableError(f"{self.path}: truncated while in use: rows {first}..{last} lie past its end "
+                                   f"(the file has {os.fstat(fd).st_size} bytes now, {self.header.file_bytes} "
+                                   f"expected)")
+        return np.frombuffer(data, dtype=np.uint8).reshape(len(ids), self.record_bytes)
 
     def read_records(self, first: int, count: int) -> np.ndarray:
         """Raw records [count, record_bytes] of rows first..first+count-1, bypassing the cache (inspection)."""
         if not 0 <= first <= first + count <= self.num_rows:
             raise EngramTableError(f"{self.path}: rows {first}..{first + count - 1} are outside 0..{self.num_rows - 1}")
         return self._read_range(np.arange(first, first + count, dtype=np.int64))
-
-    def _read_at(self, offset: int, buffer: memoryview, first: int, last: int) -> None:
-        """Fill `buffer` from the file at `offset` (rows first..last), or fail naming the file."""
-        fd, done = self._fd, 0
-        if fd is None:
-            raise EngramTableError(f"{self.path}: the table is closed")
-        while done < len(buffer):
-            try:
-                n = os.preadv(fd, [buffer[done:]], offset + done)
-            except OSError as exc:
-                raise EngramTableError(f"{self.path}: read error in rows {first}..{last}: {exc}") from exc
-            if n == 0:
-                size = os.fstat(fd).st_size
-                raise EngramTableError(f"{self.path}: truncated while in use: rows {first}..{last} lie past its end "
-                                       f"(the file has {size} bytes now, {self.header.file_bytes} expected)")
-            done += n
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         """Records of sorted unique `ids`, split over the thread pool when many are needed."""
