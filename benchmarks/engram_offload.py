@@ -55,8 +55,8 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import find_table_primes
 from openflash.memory.placement import EngramMemory
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
-from openflash.memory.tiers.device import DeviceTable
 from openflash.memory.tiers.disk import DiskTable
+from openflash.model.engram_table import DeviceTable
 from openflash.model.transformer import Transformer
 from openflash.tokenizer import DEEPSEEK, load_tokenizer
 from openflash.train.tokenizer import iter_text_files, stdlib_source_dir
@@ -150,7 +150,7 @@ def build(variant: Variant, backbone: Transformer, no_engram: Transformer, cfg: 
           frontend: EngramFrontend, tables: dict[int, tuple[torch.Tensor, torch.Tensor]], args) -> None:
     if variant.placement == "none":
         variant.model = no_engram
-        variant.memory = EngramMemory.attach(no_engram, "device")
+        variant.memory = EngramMemory.attach(no_engram, "device")  # no Engram layers: prepares nothing
         return
     model = copy.deepcopy(backbone)
     # The preset-sized model gets the big tables (sharing one copy of their memory) and the big config; building
@@ -158,15 +158,13 @@ def build(variant: Variant, backbone: Transformer, no_engram: Transformer, cfg: 
     for lid in cfg.engram_layer_ids:
         model.layers[lid].engram.embed = DeviceTable.from_fp8(*tables[lid])
     model.cfg = cfg
-    model.attach_engram_frontend(frontend)
     row_bytes = cfg.engram_head_dim + cfg.engram_head_dim // 32
     cache_bytes = int(variant.cache_fraction * min(cfg.engram_num_embeddings) * row_bytes)
     variant.model = model
-    variant.memory = EngramMemory.attach(model, variant.placement, prefetch=variant.prefetch,
+    # device: the memory gathers from the model's own tables when a layer asks, timed as that layer's wait.
+    variant.memory = EngramMemory.attach(model, variant.placement, frontend=frontend, prefetch=variant.prefetch,
                                          table_dir=args.table_dir if variant.placement == "disk" else None,
                                          cache_bytes=cache_bytes, io_threads=args.io_threads)
-    if variant.placement == "device":
-        model.row_source = TimedDeviceRows(model)  # the same gather the model makes itself, timed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,19 +210,6 @@ class PageCache:
 # Scenarios
 
 
-class TimedDeviceRows:
-    """For the device variant: the model's own table gather (what it does when row_source is None), timed."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model, self.seconds = model, 0.0
-
-    def __call__(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        rows = self.model.layers[self.model.cfg.engram_layer_ids[slot]].engram.embed.gather(ids)
-        self.seconds += time.perf_counter() - start
-        return rows
-
-
 def decode_run(variant: Variant, stream: torch.Tensor, prompt_len: int, steps: int,
                greedy: bool) -> tuple[list[float], torch.Tensor, float]:
     """Prefill stream[:, :prompt_len] (untimed), then `steps` decode steps, each timed from the previous step's
@@ -236,7 +221,7 @@ def decode_run(variant: Variant, stream: torch.Tensor, prompt_len: int, steps: i
     samplers = [SamplerState.create(SamplingParams(temperature=0.0)) for _ in range(B)]
     cache = model.new_cache(B)
     prompt = stream[:, :prompt_len]
-    logits = model.step(prompt, cache, hash_ids=memory.prepare(prompt, cache))
+    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
     reset(variant)
     times, mass = [], []
     for t in range(steps):
@@ -245,7 +230,7 @@ def decode_run(variant: Variant, stream: torch.Tensor, prompt_len: int, steps: i
             memory.speculate(logits, cache, variant.k)
             mass.append(float(logits.softmax(-1).topk(variant.k, dim=-1).values.sum(-1).mean()))
         tokens = sample(logits, samplers)[:, None] if greedy else stream[:, prompt_len + t, None]
-        logits = model.step(tokens, cache, hash_ids=memory.prepare(tokens, cache))
+        logits = model.step(tokens, cache, engram=memory.prepare(tokens, cache))
         times.append(time.perf_counter() - start)
     return times, logits, statistics.mean(mass) if mass else None
 
@@ -255,29 +240,24 @@ def prefill_run(variant: Variant, prompt: torch.Tensor) -> tuple[float, torch.Te
     cache = model.new_cache(prompt.shape[0])
     reset(variant)
     start = time.perf_counter()
-    logits = model.step(prompt, cache, hash_ids=memory.prepare(prompt, cache))
+    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
     return time.perf_counter() - start, logits
 
 
 def reset(variant: Variant) -> None:
     variant.memory.reset_stats()
-    if isinstance(variant.model.row_source, TimedDeviceRows):
-        variant.model.row_source.seconds = 0.0
 
 
 def run_stats(variant: Variant, steps: int) -> dict:
     """Per-step Engram figures (ms) of the run that just finished. engram_ms: main-thread time spent on Engram
-    rows: hashing + submitting + speculation + waiting in the Engram layers, plus for device the model's own
-    table gather."""
+    rows: hashing + submitting + speculation + waiting in the Engram layers (for device, the gather itself)."""
     s = variant.memory.stats()
     per = lambda d: {str(k): 1e3 * v / steps for k, v in d.items()}  # noqa: E731
     spec = s["speculation"]
     engram = s["prepare_seconds"] + s["speculate_seconds"] + sum(s["wait_seconds"].values())
-    if isinstance(variant.model.row_source, TimedDeviceRows):
-        engram += variant.model.row_source.seconds
     return {"wait_ms": per(s["wait_seconds"]), "slack_ms": per(s["slack_seconds"]),
             "fetch_ms": per(s["fetch_seconds"]), "engram_ms": 1e3 * engram / steps, "hit_rate": s["hit_rate"],
-            "fallbacks": s["fallbacks"], "coverage": spec["coverage"] if spec["rows_checked"] else None,
+            "coverage": spec["coverage"] if spec["rows_checked"] else None,
             "rows_served": spec["rows_served"],
             "bytes_read": sum(t["bytes_read"] for t in s["tables"].values()) if s["tables"] else 0}
 
@@ -292,7 +272,6 @@ def summarize(records: list[dict]) -> dict:
     for key in ("hit_rate", "coverage", "top_k_mass"):
         values = [r[key] for r in records if r.get(key) is not None and r[key] == r[key]]
         out[key] = statistics.mean(values) if values else None
-    out["fallbacks"] = sum(r["fallbacks"] for r in records)
     out["bytes_read_per_run"] = statistics.mean(r["bytes_read"] for r in records)
     return out
 

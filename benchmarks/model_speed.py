@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import build_model
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.config import load_config
 from openflash.model.numerics import FP32
 from openflash.plan import build_plan
@@ -63,20 +65,23 @@ def attention_flops_per_token(cfg, context: int) -> float:
 def bench(preset: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float) -> dict:
     cfg = load_config(preset)
     torch.manual_seed(0)
-    model = build_model(cfg, preset_tokenizer(cfg), FP32).eval()
+    model = build_model(cfg, FP32).eval()
+    memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(cfg, preset_tokenizer(cfg)))
     plan = build_plan(preset)
     ids = torch.randint(3, cfg.vocab_size, (1, prompt_len))
-    model.step(ids[:, :32], model.new_cache(1))  # warm-up (token map, allocations)
+    warm = model.new_cache(1)
+    model.step(ids[:, :32], warm, engram=memory.prepare(ids[:, :32], warm))  # warm-up (allocations)
     cache = model.new_cache(1)
     start = time.perf_counter()
-    logits = model.step(ids, cache, mode="exact")
+    logits = model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))
     prefill_s = time.perf_counter() - start
     token = logits.argmax(-1)
     for _ in range(3):
-        model.decode(token, cache.select([0]))
+        scratch = cache.select([0])
+        model.decode(token, scratch, engram=memory.prepare(token.view(-1, 1), scratch))
     start = time.perf_counter()
-    for _ in range(decode_steps):
-        token = model.decode(token, cache).argmax(-1)
+    for _ in range(decode_steps):  # a decode step includes its hashing (the engine's cost too)
+        token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
     decode_s = (time.perf_counter() - start) / decode_steps
     # fp32 weights in memory: 4 bytes per active parameter, plus the KV entries one token reads
     decode_bytes = 4 * plan.active_decode_token

@@ -274,7 +274,8 @@ def main() -> None:
                      "presets": {}}
     for preset in args.presets:
         print(f"== {preset}", flush=True)
-        model, tok, _ = open_model(preset)
+        loaded = open_model(preset)
+        model, tok = loaded.model, loaded.tokenizer
         r: dict = {}
         r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens)
         one = next((x for x in r["concurrency"] if x["clients"] == 1), None)

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import build_model
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.config import FlashConfig, load_config
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
@@ -73,7 +75,8 @@ def attention_flops_per_token(cfg: FlashConfig, seq_len: int) -> float:
 def bench_preset(preset: str, batch: int, seq_len: int, steps: int) -> dict:
     torch.manual_seed(0)
     cfg = load_config(preset).replace(weight_dtype="fp32", expert_dtype="fp32")
-    model = build_model(cfg, preset_tokenizer(cfg), "train").train()
+    model = build_model(cfg, "train").train()
+    memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(cfg, preset_tokenizer(cfg)))
     opt = TrainOptimizer(model, OptimConfig(lr=1e-3))
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
@@ -82,9 +85,9 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int) -> dict:
     for i in range(steps + 2):
         x, y = tokens[i, :, :-1], tokens[i, :, 1:]
         t0 = time.perf_counter()
-        hash_ids = model.hash_ids(x, None)
+        engram = memory.prefetch_batch(x)
         opt.zero_grad()
-        out = model(x, y, hash_ids=hash_ids)
+        out = model(x, y, engram=engram)
         t1 = time.perf_counter()
         (out.loss + 0.01 * out.indexer_loss).backward()
         t2 = time.perf_counter()

@@ -17,7 +17,6 @@ from openflash.config import load_config
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import ConfigError
-from openflash.memory.frontend import EngramFrontend
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.tokenizer import preset_tokenizer
@@ -105,7 +104,7 @@ def test_engram_in_the_decoder_half_prefills_exact(caplog):
     assert not cfg.topology.bounded_replay_ok
     tok = preset_tokenizer(cfg)
     torch.manual_seed(0)
-    model = Transformer(cfg, EngramFrontend.for_config(cfg, tok)).set_numerics(NUMERICS["plain"]).eval()
+    model = Transformer(cfg).set_numerics(NUMERICS["plain"]).eval()
     params = SamplingParams(max_tokens=4, temperature=0)
     prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
     with caplog.at_level(logging.INFO, logger="openflash.model"):
@@ -123,7 +122,7 @@ def test_engram_in_the_decoder_half_through_the_engine():
     cfg = load_config("tiny").replace(engram_layer_ids=[1, 5])
     tok = preset_tokenizer(cfg)
     torch.manual_seed(0)
-    model = Transformer(cfg, EngramFrontend.for_config(cfg, tok)).set_numerics(NUMERICS["plain"]).eval()
+    model = Transformer(cfg).set_numerics(NUMERICS["plain"]).eval()
     prompt = tok.encode("import os\nimport sys\n" * 8).ids
     engine = LLMEngine(model, tok, EngineConfig(max_batch=2, max_context=256, prefill_mode="bounded",
                                                 prefill_chunk=16))
@@ -133,14 +132,14 @@ def test_engram_in_the_decoder_half_through_the_engine():
 
 
 def test_checkpoint_carries_its_own_token_map(tmp_path, caplog):
-    full, _ = load_checkpoint(GOLDEN_A)
+    _, full = load_checkpoint(GOLDEN_A)
     ids = full.engram_frontend.token_map.ids.copy()
     ids[[10, 11]] = ids[[11, 10]]  # a map no tokenizer here would derive
     folder = _golden_copy(tmp_path)
     np.save(folder / TOKEN_MAP_FILE, ids)
     with caplog.at_level(logging.INFO, logger="openflash.checkpoint"):
-        model, _ = load_checkpoint(folder)
-    assert np.array_equal(model.engram_frontend.token_map.ids, ids)
+        _, report = load_checkpoint(folder)
+    assert np.array_equal(report.engram_frontend.token_map.ids, ids)
     assert any(TOKEN_MAP_FILE in r.message for r in caplog.records)
     np.save(folder / TOKEN_MAP_FILE, np.zeros(5, dtype=np.int64))
     with pytest.raises(ConfigError, match=f"{TOKEN_MAP_FILE}: compressed ids span 0..0"):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import WithEngram
 
 from openflash import formats
 from openflash.checkpoint import open_model
@@ -56,7 +57,7 @@ def sequential(model, tok, ps, params):
 
 
 def test_paged_cache_matches_dense_and_frees_blocks(plain):
-    model, _ = plain
+    model = WithEngram(plain[0])
     factory = CacheFactory.create(model.cfg, "fp32", block_size=4)
     ps = prompts(3, 20, 40, seed=1)
     dense, paged = [], []
@@ -293,7 +294,8 @@ def test_engram_host_tier_gives_identical_outputs():
 
     models = []
     for _ in range(2):
-        model, tok, _ = open_model("tiny", numerics="plain")
+        loaded = open_model("tiny", numerics="plain")
+        model, tok = loaded.model, loaded.tokenizer
         for lid in model.cfg.engram_layer_ids:  # the host tier holds FP8 rows; give both models the same tables
             model.layers[lid].engram.embed = model.layers[lid].engram.embed.to_fp8()
         models.append(model)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import WithEngram
 
 from openflash.checkpoint import save_checkpoint
 from openflash.config import load_config
@@ -56,7 +57,7 @@ def run(model: Transformer, memory: EngramMemory, k: int = 0) -> torch.Tensor:
     cache = model.new_cache(BATCH)
     ids, out = prompt(model.cfg.vocab_size), []
     for step in range(STEPS + 1):
-        logits = model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
+        logits = model.step(ids, cache, engram=memory.prepare(ids, cache))
         out.append(logits)
         if k:
             memory.speculate(logits, cache, k)
@@ -75,17 +76,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def base() -> Transformer:
-    model = make_model()
-    model.engram_frontend  # build the token map once; deep copies share nothing mutable with it
-    return model
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def reference(base) -> torch.Tensor:
     model = copy.deepcopy(base)
-    memory = EngramMemory.attach(model, "device")
-    assert model.row_source is None  # device: a no-op wrapper
-    return run(model, memory)
+    return run(model, EngramMemory.attach(model, "device"))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +130,7 @@ def test_tier_matches_device(base, reference, table_dir, checkpoint_dir, tier):
         assert torch.equal(run(model, memory, k), reference)
         stats = memory.stats()
     layers = model.cfg.engram_layer_ids
-    assert stats["placement"] == placement and stats["fallbacks"] == 0 and stats["stale"] == 0
+    assert stats["placement"] == placement
     assert sorted(stats["wait_seconds"]) == layers and stats["lookups"] == {lid: STEPS + 1 for lid in layers}
     spec = stats["speculation"]
     if opts.get("prefetch", True):
@@ -157,12 +154,12 @@ def test_speculation_survives_an_interleaved_prefill(base, reference):
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "host") as memory:
         ids, batch = prompt(model.cfg.vocab_size), model.new_cache(BATCH)
-        logits = model.step(ids, batch, hash_ids=memory.prepare(ids, batch))
+        logits = model.step(ids, batch, engram=memory.prepare(ids, batch))
         memory.speculate(logits, batch, 2)
         other = model.new_cache(1)  # another request's prompt
-        model.step(ids[:1], other, hash_ids=memory.prepare(ids[:1], other))
+        model.step(ids[:1], other, engram=memory.prepare(ids[:1], other))
         tokens = next_tokens(logits, 0)  # both rows take their likeliest token: covered
-        assert torch.equal(model.step(tokens, batch, hash_ids=memory.prepare(tokens, batch)), reference[1])
+        assert torch.equal(model.step(tokens, batch, engram=memory.prepare(tokens, batch)), reference[1])
         spec = memory.stats()["speculation"]
     assert (spec["rows_served"], spec["unused"]) == (2, 0)
 
@@ -176,10 +173,9 @@ def test_chunked_prefill_carries_the_hash_state(base, table_dir):
         memory = EngramMemory.attach(model, placement, table_dir=table_dir if placement == "disk" else None)
         cache = model.new_cache(BATCH)
         for chunk, last in ((ids[:, :4], False), (ids[:, 4:], True)):
-            logits = model.step(chunk, cache, mode="bounded", last_chunk=last, hash_ids=memory.prepare(chunk, cache))
+            logits = model.step(chunk, cache, mode="bounded", last_chunk=last, engram=memory.prepare(chunk, cache))
         token = logits.argmax(-1)[:, None]
-        out = torch.stack([logits, model.step(token, cache, hash_ids=memory.prepare(token, cache))])
-        assert memory.stats()["fallbacks"] == 0
+        out = torch.stack([logits, model.step(token, cache, engram=memory.prepare(token, cache))])
         memory.close()
         return out
 
@@ -189,34 +185,32 @@ def test_chunked_prefill_carries_the_hash_state(base, table_dir):
 def test_training_prefetches_the_next_batch(base):
     batches = [torch.randint(3, base.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(s))
                for s in range(3)]
-    reference = copy.deepcopy(base)
+    reference = WithEngram(copy.deepcopy(base))
     want = [reference(x).logits for x in batches]
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "host") as memory:
         upcoming = memory.prefetch_batch(batches[0])
         for n, x in enumerate(batches):
-            hash_ids = upcoming
+            rows = upcoming
             if n + 1 < len(batches):
                 upcoming = memory.prefetch_batch(batches[n + 1])  # gathers while batch n computes
-            assert torch.equal(model(x, hash_ids=hash_ids).logits, want[n])
+            assert torch.equal(model(x, engram=rows).logits, want[n])
         stats = memory.stats()
-    assert stats["prefetches"] == 3 and stats["fallbacks"] == 0 and stats["stale"] == 0
+    assert stats["prefetches"] == 3 and stats["sync_gathers"] == 0
 
 
-def test_unprepared_ids_fall_back_and_are_counted(base, reference):
+def test_a_step_takes_the_rows_prepared_for_it(base, reference):
+    """The model hashes nothing: a step of a model with Engram layers needs the rows its memory prepared, and
+    rows prepared for other steps (never used) change nothing."""
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "host") as memory:
         ids = prompt(model.cfg.vocab_size)
+        with pytest.raises(ValueError, match="pass engram=.*EngramMemory.prepare"):
+            model.step(ids, model.new_cache(BATCH))
         memory.prepare(ids[:, :3], model.new_cache(BATCH))  # prefetched, then never used
         memory.prepare(ids.flip(1), model.new_cache(BATCH))
-        # Without hash_ids the model hashes the chunk itself; nothing prepared matches, so each Engram layer
-        # gathers synchronously.
-        assert torch.equal(model.step(ids, model.new_cache(BATCH)), reference[0])
-        assert memory.stats()["fallbacks"] == 2
         cache = model.new_cache(BATCH)
-        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
-        stats = memory.stats()
-    assert stats["fallbacks"] == 2 and stats["stale"] == 2  # the two unused prefetches are dropped
+        assert torch.equal(model.step(ids, cache, engram=memory.prepare(ids, cache)), reference[0])
 
 
 def test_attach_releases_the_device_tables(base, tmp_path):
@@ -229,12 +223,11 @@ def test_attach_releases_the_device_tables(base, tmp_path):
         model.state_dict()
     with pytest.raises(EngramTableError, match="cannot be saved with its tables"):
         save_checkpoint(model, tmp_path / "ckpt")
-    with pytest.raises(EngramTableError, match="already has an Engram memory attached"):
+    with pytest.raises(EngramTableError, match="layer 1: its table was already released to the 'host' tier"):
         EngramMemory.attach(model, "host")
     memory.close()
-    assert model.row_source is None
     with pytest.raises(EngramTableError, match="moved to the 'host' tier"):
-        model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH))
+        embed.gather(torch.tensor([0]))
     with pytest.raises(EngramTableError, match="layer 1: its table was already released"):
         EngramMemory.attach(model, "disk", table_dir="/nonexistent")
 
@@ -285,7 +278,7 @@ def test_wrong_table_files_fail_clearly(base, table_dir, tmp_path):
         model = copy.deepcopy(base)
         with pytest.raises(EngramTableError, match=re.escape(message)):
             EngramMemory.attach(model, "disk", table_dir=folder)
-        assert model.row_source is None and model.layers[lid].engram.embed.released is None, name
+        assert model.layers[lid].engram.embed.released is None, name
 
 
 def _bad_sector(*args, **kwargs):
@@ -297,16 +290,15 @@ def test_read_error_fails_that_step(base, reference, table_dir, monkeypatch):
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "disk", table_dir=table_dir) as memory:
         cache, ids = model.new_cache(BATCH), prompt(model.cfg.vocab_size)
-        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
+        assert torch.equal(model.step(ids, cache, engram=memory.prepare(ids, cache)), reference[0])
         disk = memory.tables[1]
         ids = next_tokens(reference[0], 0)
         message = re.escape(f"{disk.path.parent}/engram_layer") + r"\d+\.oftable: read error in rows .*Input/output error"
         with monkeypatch.context() as patch, pytest.raises(EngramTableError, match=message):
             patch.setattr("openflash.memory.tiers.disk.os.pread", _bad_sector)
-            model.step(ids, cache, hash_ids=memory.prepare(ids, cache))
+            model.step(ids, cache, engram=memory.prepare(ids, cache))
         # the memory is usable again: a new sequence gives the right logits
         assert torch.equal(run(model, memory), reference)
-        assert memory.stats()["stale"] == 0
 
 
 def test_table_truncated_while_in_use_fails_the_step_not_the_process(base, reference, table_dir, tmp_path):
@@ -317,7 +309,7 @@ def test_table_truncated_while_in_use_fails_the_step_not_the_process(base, refer
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "disk", table_dir=folder) as memory:
         cache, ids = model.new_cache(BATCH), prompt(model.cfg.vocab_size)
-        assert torch.equal(model.step(ids, cache, hash_ids=memory.prepare(ids, cache)), reference[0])
+        assert torch.equal(model.step(ids, cache, engram=memory.prepare(ids, cache)), reference[0])
         path = memory.tables[1].path
         whole = path.read_bytes()
         os.truncate(path, read_table_header(path).data_offset + 64)
@@ -355,11 +347,11 @@ def _sharded_worker(rank: int, port: int, out_dir: str, base: Transformer, want:
             results["half the rows"] = local == -(-model.cfg.engram_num_embeddings[0] // 2)
             results["logits"] = _same_logits(run(model, memory), want)
             results["speculated logits"] = _same_logits(run(model, memory, k=2), want)
-            # A lookup the prefetch did not prepare still works (through the worker, in the same order on
-            # both ranks).
-            results["fallback"] = _same_logits(model.step(prompt(model.cfg.vocab_size), model.new_cache(BATCH)),
-                                               want[0])
-            results["counted"] = memory.stats()["fallbacks"] == 2
+        model = copy.deepcopy(base)
+        with EngramMemory.attach(model, "sharded", prefetch=False) as memory:
+            # Lookups made when each layer asks still go through the worker, in the same order on both ranks.
+            results["gathered when asked"] = _same_logits(run(model, memory), want)
+            results["counted"] = memory.stats()["sync_gathers"] == len(model.cfg.engram_layer_ids) * (STEPS + 1)
         model = copy.deepcopy(base)
         with EngramMemory.attach(model, "sharded", checkpoint_dir=checkpoint_dir) as memory:  # reads its block only
             results["from checkpoint"] = _same_logits(run(model, memory), want)

@@ -24,8 +24,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from safetensors import safe_open
 
     from openflash.memory.tables import open_tables
-    from openflash.memory.tiers.device import DeviceTable
     from openflash.memory.tiers.sharded import ShardedTable, shard_block_rows
+    from openflash.model.engram_table import DeviceTable
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:

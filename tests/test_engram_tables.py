@@ -19,9 +19,9 @@ from openflash.memory.prefetch import EngramPrefetcher
 from openflash.memory.rows import TableStats
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tables import open_tables
-from openflash.memory.tiers.device import DeviceTable
 from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tiers.host import HostTable
+from openflash.model.engram_table import DeviceTable
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 # Golden A's Engram setup (from its config.json): layers 0 and 3, tables of 304 and 462 rows of 32 values.

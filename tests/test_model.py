@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import WithEngram
 
 from openflash.config import LayerMode, load_config
 from openflash.model.cache import ModelCache
@@ -15,9 +16,9 @@ TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Transformer:
+def tiny() -> WithEngram:
     torch.manual_seed(0)
-    return Transformer(load_config("tiny")).eval().set_numerics(PLAIN)
+    return WithEngram(Transformer(load_config("tiny")).eval().set_numerics(PLAIN))
 
 
 def _ids(cfg, batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -113,7 +114,7 @@ def test_quantized_numerics_consistent_for_one_row(tiny):
 
 def test_training_loss_falls_and_indexer_learns_only_from_kl():
     torch.manual_seed(0)
-    model = Transformer(load_config("tiny")).train().set_numerics(TRAIN)
+    model = WithEngram(Transformer(load_config("tiny")).train().set_numerics(TRAIN))
     ids = _ids(model.cfg, 4, 48, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []

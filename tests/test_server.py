@@ -27,7 +27,6 @@ from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
@@ -91,8 +90,7 @@ def stack(tmp_path_factory):
         cfg = load_config("tiny").replace(vocab_size=vocab, engram_compressed_vocab_size=int(token_map.max()) + 1,
                                           image_token_id=None)
         torch.manual_seed(0)
-        model = Transformer(cfg)
-        model.attach_engram_frontend(EngramFrontend.for_config(cfg, tok))
+        model = Transformer(cfg)  # the engine addresses its Engram tables through `tok`'s token map
         model.set_numerics(NUMERICS["plain"]).eval()
         yield model, tok
     finally:

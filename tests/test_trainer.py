@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import WithEngram
 
 from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
 from openflash.manifest import MANIFEST_FILE, verify_manifest
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
 from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
@@ -50,6 +53,12 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     train_bpe_tokenizer(files, 512, root / "tokenizer.json")
     prepare_dataset([root / "corpus"], root / "tokenizer.json", root / "data", val_fraction=0.2, progress=False)
     return root / "data"
+
+
+def _with_engram(model, dataset: Path) -> WithEngram:
+    """The model with its device-tier Engram memory, addressed through the dataset's tokenizer."""
+    frontend = EngramFrontend.for_config(model.cfg, load_tokenizer(dataset / "tokenizer.json"))
+    return WithEngram(model, EngramMemory.attach(model, "device", frontend=frontend))
 
 
 def _fit(dataset: Path, out: Path, on_step=None, **overrides) -> tuple[Trainer, list[dict]]:
@@ -114,7 +123,7 @@ def test_newton_schulz_orthogonalises() -> None:
 
 def test_router_bias_balancing(dataset: Path) -> None:
     from openflash.model.transformer import Transformer
-    model = Transformer(training_model_config("tiny", dataset / "tokenizer.json")).train()
+    model = _with_engram(Transformer(training_model_config("tiny", dataset / "tokenizer.json")).train(), dataset)
     n_layers = len(model.layers)
     assert expert_loads(model).shape == (n_layers, 8) and expert_loads(model).sum() == 0
     x = torch.randint(3, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -169,14 +178,13 @@ def test_fused_training_forward_matches_unfused(dataset: Path) -> None:
     cfg = training_model_config("tiny", dataset / "tokenizer.json").replace(num_experts_per_tok=8, index_topk=32,
                                                                              candidate_topk_blocks=8)
     torch.manual_seed(0)
-    model = Transformer(cfg).train()
+    model = _with_engram(Transformer(cfg).train(), dataset)
     x = torch.randint(3, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    hash_ids = model.hash_ids(x, None)
     results = []
     for fused in (False, True):
         model.set_numerics(dataclasses.replace(TRAIN, cache_qdq=False, fused_train_ops=fused))
         model.zero_grad(set_to_none=True)
-        out = model(x, x, hash_ids=hash_ids)
+        out = model(x, x)
         (out.loss + 0.1 * out.indexer_loss).backward()
         results.append((out.loss.item(), out.indexer_loss.item(),
                         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))

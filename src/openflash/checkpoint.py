@@ -34,6 +34,7 @@ from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.manifest import verify_manifest, write_manifest
 from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import TokenMap
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import Transformer
@@ -66,6 +67,7 @@ class LoadReport:
     tensors: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # unimplemented part -> tensor count
     tokenizer: Tokenizer | None = None  # the checkpoint's tokenizer.json, else the DeepSeek tokenizer
+    engram_frontend: EngramFrontend | None = None  # token map (its own file, else the tokenizer's) and hasher
 
     def summary(self) -> str:
         text = f"{self.path}: loaded {self.tensors} tensors"
@@ -124,17 +126,27 @@ def _expected_dtype(tensor: torch.Tensor) -> str:
     return _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
 
 
-def build_model(cfg: FlashConfig, tokenizer: Tokenizer | None = None, numerics: str | Numerics = "fp32", *,
-                device: str | torch.device = "cpu", token_map: TokenMap | None = None) -> Transformer:
+def build_model(cfg: FlashConfig, numerics: str | Numerics = "fp32", *,
+                device: str | torch.device = "cpu") -> Transformer:
     """The one way to assemble a model: a Transformer of `cfg` built on `device` (weights from torch's RNG; "meta"
-    allocates nothing), with its Engram frontend (from `token_map`, else from the tokenizer's map, else the DeepSeek
-    tokenizer's) and its numerics policy."""
+    allocates nothing) with its numerics policy. Its Engram memory comes from the caller (memory/placement.py)."""
     with torch.device(device):
         model = Transformer(cfg)
-    if cfg.engram_layer_ids:
-        model.attach_engram_frontend(EngramFrontend.from_token_map(cfg, token_map) if token_map is not None
-                                     else EngramFrontend.for_config(cfg, tokenizer))
     return model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the model, its tokenizer, its Engram frontend (None without Engram layers)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    engram_frontend: EngramFrontend | None
+    note: str  # what was loaded, for logs
+
+    def memory(self, placement: str = "device", **kwargs: Any) -> EngramMemory:
+        """The model's Engram memory in `placement` (EngramMemory.attach's keyword arguments)."""
+        return EngramMemory.attach(self.model, placement, frontend=self.engram_frontend, **kwargs)
 
 
 def checkpoint_folder(path: str | Path) -> Path:
@@ -152,17 +164,18 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
-               verify: bool = False) -> tuple[Transformer, Tokenizer, str]:
-    """(model in eval mode, tokenizer, note) for a preset name (random weights, seed 0, for smoke tests and
-    benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
+               verify: bool = False) -> LoadedModel:
+    """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
+    tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
     if spec in PRESETS:
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
-        return build_model(cfg, tok, numerics, device=device).eval(), tok, \
-            f"preset '{spec}' with random weights (outputs are noise)"
+        frontend = EngramFrontend.for_config(cfg, tok) if cfg.engram_layer_ids else None
+        return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, frontend,
+                           f"preset '{spec}' with random weights (outputs are noise)")
     model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify)
-    return model, report.tokenizer, report.summary()
+    return LoadedModel(model, report.tokenizer, report.engram_frontend, report.summary())
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
@@ -186,9 +199,13 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         if cfg.engram_layer_ids and (folder / TOKEN_MAP_FILE).is_file() else None
     if token_map is not None:
         log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
-    model = build_model(cfg, tokenizer, numerics, device="meta", token_map=token_map)
+    model = build_model(cfg, numerics, device="meta")
     expected = model.state_dict()
-    report = LoadReport(folder, tokenizer=tokenizer)
+    frontend = None
+    if cfg.engram_layer_ids:
+        frontend = EngramFrontend.from_token_map(cfg, token_map) if token_map is not None else \
+            EngramFrontend.for_config(cfg, tokenizer)
+    report = LoadReport(folder, tokenizer=tokenizer, engram_frontend=frontend)
 
     problems: list[str] = []
     present = set(files.names())

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from openflash.checkpoint import load_checkpoint
 from openflash.errors import OpenflashError
+from openflash.memory.placement import EngramMemory
 
 ATOL_BF16, RTOL_BF16 = 2e-2, 2e-2  # ~2-3 bf16 ulps at unit scale
 LOGIT_ATOL_FP32 = 5e-2  # fp32 path vs the bf16 reference: logits have std ~1
@@ -76,7 +77,8 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
             raise OpenflashError(f"{folder}: not a golden folder (missing {name})")
     inputs = json.loads((folder / "inputs.json").read_text())
     expected = load_file(str(folder / "expected.safetensors"))
-    model, _ = load_checkpoint(folder, numerics=numerics)
+    model, report = load_checkpoint(folder, numerics=numerics)
+    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
     cfg = model.cfg
     ours: dict[str, torch.Tensor] = {}
 
@@ -84,17 +86,24 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     cache = model.new_cache(prompt.shape[0])
     teacher = expected if teacher_forced else None
     probe = GoldenProbe("prefill.", teacher)
-    logits_all = model.step(prompt, cache, probe=probe, all_logits=True)
+    rows = memory.prepare(prompt, cache)
+    if rows is not None:
+        probe.record("engram_hash", rows.hash_ids)
+    logits_all = model.step(prompt, cache, engram=rows, probe=probe, all_logits=True)
     _collect(probe.recorded, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
     ours["prefill.logits_all"] = logits_all
     ours["prefill.logits_last"] = logits_all[:, -1]
     ours["prefill.next_token"] = logits_all[:, -1].argmax(-1)
-    ours["engram.token_map"] = torch.from_numpy(model.engram_frontend.token_map.ids[: cfg.vocab_size])
+    if report.engram_frontend is not None:
+        ours["engram.token_map"] = torch.from_numpy(report.engram_frontend.token_map.ids[: cfg.vocab_size])
     generated = [int(ours["prefill.next_token"][0])]
     for t in range(inputs["decode_steps"]):
         token = expected[f"decode{t}.input_token"].view(-1, 1)
         probe = GoldenProbe(f"decode{t}.", teacher)
-        logits = model.step(token, cache, probe=probe)
+        rows = memory.prepare(token, cache)
+        if rows is not None:
+            probe.record("engram_hash", rows.hash_ids)
+        logits = model.step(token, cache, engram=rows, probe=probe)
         _collect(probe.recorded, ours, f"decode{t}.", offset=cfg.sliding_window, cfg=cfg)
         ours[f"decode{t}.logits"] = logits
         ours[f"decode{t}.next_token"] = logits.argmax(-1)

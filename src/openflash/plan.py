@@ -20,7 +20,7 @@ from torch import nn
 
 from openflash import formats
 from openflash.config import FlashConfig, LayerMode, load_config
-from openflash.memory.tiers.device import DeviceTable
+from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.transformer import Transformer
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from openflash.checkpoint import open_model
+from openflash.checkpoint import LoadedModel, open_model
 from openflash.engine.generate import generate as generate_text
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
@@ -21,11 +21,11 @@ log = logging.getLogger("openflash.serve")
 
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
-    model, tok, note = open_model(args.model, args.tokenizer, verify=args.verify)
+    loaded = open_model(args.model, args.tokenizer, verify=args.verify)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    result = generate_text(model, tok, args.prompt, params)
-    print(f"# {note}")
+    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory())
+    print(f"# {loaded.note}")
     print(args.prompt + result.text)
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
           f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
@@ -35,12 +35,15 @@ def generate(args: Any) -> int:
 DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
 
 
-def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
+def _attach_engram(loaded: LoadedModel, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
                    cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> Any:
-    """An Engram memory tier for --engram-placement other than device (memory/placement.py). The disk tier reads
-    `<model folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
-    from openflash.memory.placement import EngramMemory
+    """The Engram memory of --engram-placement (memory/placement.py). The disk tier reads `<model
+    folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
     from openflash.memory.table_file import table_file_name, write_table_file
+
+    model = loaded.model
+    if placement == "device":
+        return loaded.memory("device")
 
     if placement == "sharded":
         raise OpenflashError("--engram-placement sharded needs a torch.distributed group of ranks; `openflash serve` "
@@ -52,7 +55,7 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, ta
             log.info("Engram layer %d: quantizing its fp32 table to FP8 rows for the %s tier", lid, placement)
             engram.embed = engram.embed.to_fp8()
     if placement != "disk":
-        return EngramMemory.attach(model, placement)
+        return loaded.memory(placement)
     folder = Path(table_dir) if table_dir else Path(model_arg) / "engram_tables"
     if table_dir and not folder.is_dir():
         raise OpenflashError(f"--engram-table-dir {table_dir}: not a folder (write one with `openflash engram export`)")
@@ -60,12 +63,12 @@ def _attach_engram(model: Any, placement: str, model_arg: str, scratch: Path, ta
         log.info("%s", verify_manifest(folder).summary())
     if not folder.is_dir():
         folder = scratch
-        fingerprint = model.engram_frontend.layout.layout_fingerprint()
+        fingerprint = loaded.engram_frontend.layout.layout_fingerprint()
         for lid in cfg.engram_layer_ids:
             embed = model.layers[lid].engram.embed
             write_table_file(folder / table_file_name(lid), embed.weight.detach(), embed.scale.detach(), fingerprint)
         log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
-    return EngramMemory.attach(model, "disk", table_dir=str(folder), cache_bytes=cache_bytes, io_threads=io_threads)
+    return loaded.memory("disk", table_dir=str(folder), cache_bytes=cache_bytes, io_threads=io_threads)
 
 
 def serve(args: Any) -> int:
@@ -83,20 +86,21 @@ def serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    model, tokenizer, note = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
+    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
+    model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:
         log.info("loaded %s: %s", args.model, note)
     scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-    memory = _attach_engram(model, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
-                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads, args.verify) \
-        if args.engram_placement != "device" else None
+    memory = _attach_engram(loaded, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
+                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads, args.verify)
+    speculate = args.engram_speculate if args.engram_placement != "device" else 0
     engine = LLMEngine(model, tokenizer, EngineConfig(
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        max_waiting=args.max_waiting, engram_speculate=args.engram_speculate if memory is not None else 0), memory)
+        max_waiting=args.max_waiting, engram_speculate=speculate), memory)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     template = ChatTemplate.for_tokenizer(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id)
     config = ServerConfig(model_name=name, chat_template=template, max_request_bytes=args.max_request_bytes,
@@ -108,7 +112,6 @@ def serve(args: Any) -> int:
              stats["kv_storage"], args.engram_placement)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=int(config.drain_timeout))
-    if memory is not None:
-        memory.close()
+    memory.close()
     scratch.cleanup()
     return 0

@@ -36,6 +36,8 @@ from openflash.engine.runner import PREFILL_MODES, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 
 log = logging.getLogger("openflash.engine")
@@ -97,11 +99,15 @@ class LLMEngine:
         if config.kv_storage == "packed" and not model.numerics.cache_qdq:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
                                  f"cache QDQ; the model runs {model.numerics.name!r}")
+        self._engram_stats: dict | None = memory.stats() if memory is not None else None  # only an explicit tier
+        if memory is None:  # the model's own tables, addressed through the tokenizer's Engram token map
+            memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(model.cfg, tokenizer)
+                                         if model.cfg.engram_layer_ids else None)
         self.model, self.tokenizer, self.memory = model, tokenizer, memory
         self.cfg = model.cfg
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device)
-        self.runner = ModelRunner(model, self.factory, config.prefill_mode, memory, config.engram_speculate)
+        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate)
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
@@ -123,7 +129,6 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._removals: list[str] = []
-        self._engram_stats: dict | None = memory.stats() if memory is not None else None
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -204,7 +209,7 @@ class LLMEngine:
                 for seq, token in zip(ordered, tokens):
                     outputs.append((seq, self._append(seq, token)))
         self._flush_removals()
-        if self.memory is not None:  # snapshot for other threads (the memory tier is single-threaded)
+        if self._engram_stats is not None:  # snapshot for other threads (the memory tier is single-threaded)
             self._engram_stats = self.memory.stats()
         self.metrics.steps += 1
         self.metrics.step_time.observe(time.perf_counter() - start)

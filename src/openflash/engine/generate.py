@@ -14,6 +14,8 @@ from tokenizers import Tokenizer
 
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 
 
@@ -34,9 +36,14 @@ class GenerationResult:
 
 @torch.no_grad()
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], params: SamplingParams, *,
-             mode: str = "bounded", prefill_chunk: int = 512) -> GenerationResult:
-    """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string."""
+             mode: str = "bounded", prefill_chunk: int = 512, memory: EngramMemory | None = None) -> GenerationResult:
+    """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string.
+
+    memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map)."""
     params.validate()
+    if memory is None:
+        memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(model.cfg, tokenizer)
+                                     if model.cfg.engram_layer_ids else None)
     ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise OpenflashError("the prompt is empty after tokenization")
@@ -50,7 +57,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
     logits = None
     for i in range(0, len(ids), prefill_chunk):
         chunk = torch.tensor([ids[i: i + prefill_chunk]], device=device)
-        logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids))
+        logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids),
+                            engram=memory.prepare(chunk, cache))
     prefill_s = time.perf_counter() - start
     out: list[int] = []
     finish, text = "length", ""
@@ -68,6 +76,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
             break
         if len(out) >= params.max_tokens:
             break
-        logits = model.decode(torch.tensor([token], device=device), cache)
+        step = torch.tensor([[token]], device=device)
+        logits = model.decode(step, cache, engram=memory.prepare(step, cache))
     decode_s = time.perf_counter() - start
     return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)

@@ -7,8 +7,8 @@ when the set of running sequences changes: rows of finished sequences are droppe
 that finished their prefill are appended at the next decode. Regrouping copies the bounded per-row state (window
 rings, compressor open group, hash history) and only block tables of the global cache (engine/cache.py).
 
-With an Engram memory tier (`--engram-placement` host / disk), the hash ids of each chunk or decode step are
-computed from the token ids before the model runs, which starts fetching the rows (memory/placement.py).
+Engram: the memory (any tier, `device` by default) hashes each chunk or decode step's token ids before the model
+runs, which starts fetching the rows, and the rows are handed down to the model's step (memory/placement.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ import torch
 from openflash.engine.cache import CacheFactory, concat_rows, release, select_rows
 from openflash.engine.request import Sequence
 from openflash.model.cache import ModelCache
+from openflash.model.engram import EngramRows
 from openflash.model.transformer import Transformer
 
 PREFILL_MODES = ("bounded", "exact")
 
 
 class EngramTier(Protocol):
-    """What the engine needs of an Engram memory tier (implemented by memory/placement.py's EngramMemory)."""
+    """What the engine needs of an Engram memory (implemented by memory/placement.py's EngramMemory, any tier)."""
 
-    def prepare(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:
-        """Hash ids of a chunk or decode step after `cache` (advancing its hash history); starts fetching rows."""
+    def prepare(self, input_ids: torch.Tensor, cache: ModelCache) -> EngramRows | None:
+        """The rows of a chunk or decode step after `cache` (hashing advances its history); fetching starts now."""
+
+    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache) -> EngramRows | None:
+        """The rows of prompt_ids[start:stop] for a prefix replay, the hash history rebuilt from what precedes."""
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
         """Start fetching the rows of each row's k likeliest next tokens."""
@@ -39,8 +43,8 @@ class EngramTier(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, factory: CacheFactory, prefill_mode: str = "bounded",
-                 memory: EngramTier | None = None, speculate_k: int = 0) -> None:
+    def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
+                 speculate_k: int = 0) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
@@ -52,8 +56,8 @@ class ModelRunner:
 
     # ---- model calls ------------------------------------------------------------------------------------------
     def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool) -> torch.Tensor | None:
-        hash_ids = self.memory.prepare(ids, cache) if self.memory is not None else None
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, hash_ids=hash_ids)
+        rows = self.memory.prepare(ids, cache)
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows)
 
     def new_cache(self) -> ModelCache:
         return self.factory.empty(1)
@@ -78,9 +82,9 @@ class ModelRunner:
         by_id = {s.request_id: s for s in seqs}
         ordered = [by_id[r] for r in self.batch_ids]
         tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
-        hash_ids = self.memory.prepare(tokens.unsqueeze(1), self.batch) if self.memory is not None else None
-        logits = self.model.decode(tokens, self.batch, hash_ids=hash_ids)
-        if self.memory is not None and self.speculate_k > 0:
+        rows = self.memory.prepare(tokens.unsqueeze(1), self.batch)
+        logits = self.model.decode(tokens, self.batch, engram=rows)
+        if self.speculate_k > 0:
             self.memory.speculate(logits, self.batch, self.speculate_k)
         return ordered, logits
 
@@ -133,13 +137,5 @@ class ModelRunner:
         model, cfg = self.model, self.model.cfg
         start = max(0, num_tokens - cfg.sliding_window)
         ids = torch.tensor([prompt_ids[start:num_tokens]], dtype=torch.long, device=self.device)
-        hash_ids = None
-        if cfg.engram_layer_ids:
-            frontend = model.engram_frontend
-            history = cfg.engram_max_ngram_size - 1
-            before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=self.device)
-            state = frontend.hasher.empty_state(1, self.device)
-            if before.shape[1]:
-                _, state = frontend.hash(before, state)
-            hash_ids, cache.engram = frontend.hash(ids, state)
-        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", hash_ids=hash_ids)
+        rows = self.memory.prepare_replay(prompt_ids, start, num_tokens, cache)
+        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows)

@@ -2,22 +2,24 @@
 
 Hash ids depend on token ids only (engram.md §4, §5), so the rows an Engram layer will read are known as soon as
 the tokens are: before the forward for a prefill chunk, right after sampling for a decode step, one batch ahead in
-training. `EngramMemory` computes the hash ids at that moment, starts gathering every Engram layer's rows in the
-background, and plugs into the model as `model.row_source`; the Engram layer then waits only for what has not
+training. `EngramMemory` owns the hashing (the frontend and each cache's hash history): `prepare` hashes the
+tokens once, starts gathering every Engram layer's rows in the background, and returns the step's `EngramRows`
+(model/engram.py), which the caller hands down to the model; each Engram layer then waits only for what has not
 arrived yet, and that wait is measured per layer.
 
-    memory = EngramMemory.attach(model, "disk", table_dir="tables/", cache_bytes=1 << 30)
+    memory = EngramMemory.attach(model, "disk", frontend=frontend, table_dir="tables/", cache_bytes=1 << 30)
     cache = model.new_cache(1)
-    logits = model.step(prompt, cache, hash_ids=memory.prepare(prompt, cache))
+    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
     for _ in range(n):
         memory.speculate(logits, cache, k=4)            # optional: rows of the 4 likeliest next tokens
         token = sample(logits)
-        logits = model.step(token[:, None], cache, hash_ids=memory.prepare(token[:, None], cache))
+        logits = model.step(token[:, None], cache, engram=memory.prepare(token[:, None], cache))
 
 Tiers (`--engram-placement`):
-    device   the tables stay in the model (DeviceTable); a no-op wrapper, so callers use one API everywhere
+    device   the tables stay in the model (DeviceTable): rows gathered from them when a layer asks (with autograd,
+             so training uses the same path)
     host     FP8 rows in CPU RAM (pinned when CUDA is present), looked-up rows copied to the device
-    disk     memory-mapped table files from `openflash engram export`, an LRU row cache, a pool of reader threads
+    disk     table files from `openflash engram export` (positioned reads), an LRU row cache, reader threads
     sharded  rows split across the ranks of a torch.distributed group (every rank must run the same steps)
 
 All tiers return bit-identical rows (tables.py), so model outputs are identical to `device`. Attaching host, disk or
@@ -32,12 +34,12 @@ when the time between logits and the sampled token's prepare() (sampling, detoke
 of the fetch latency: it costs k times the reads (benchmarks/engram_offload.py).
 
 Not thread-safe: prepare / speculate / the model's steps must come from one thread (the engine's loop).
+The model is consulted through public methods only (`engram_tables`, its config and device).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,16 +48,15 @@ import torch
 
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.checkpoint_tables import read_engram_spec
+from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import EngramHashState
+from openflash.model.engram import EngramRows
 from openflash.memory.prefetch import EngramPrefetcher, Prefetch
 from openflash.memory.rows import EngramTable
 from openflash.memory.tables import PLACEMENTS, open_tables
-from openflash.memory.tiers.device import DeviceTable
 from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tiers.sharded import ShardedTable
-
-MAX_PENDING = 8  # prefetches kept waiting for their step; older ones are dropped as stale
-
+from openflash.model.engram_table import DeviceTable
 
 class HashedSequences(Protocol):
     """What this memory reads and advances of a model cache: its batch size and the Engram hash history."""
@@ -88,9 +89,7 @@ class MemoryStats:
 
     steps: int = 0  # prepare() / prefetch_batch() calls
     prefetches: int = 0  # background gathers submitted (speculations not included)
-    sync_gathers: int = 0  # lookups made synchronously because prefetch is off
-    fallbacks: int = 0  # lookups whose ids differed from every pending prefetch (gathered synchronously)
-    stale: int = 0  # prefetches dropped without being used
+    sync_gathers: int = 0  # lookups made when the layer asked (device tier, or prefetch off)
     prepare_seconds: float = 0.0  # in prepare() / prefetch_batch(): hashing and submitting
     speculate_seconds: float = 0.0  # in speculate(): top-k, hashing the candidates, submitting
     wait_seconds: dict[int, float] = field(default_factory=dict)
@@ -116,18 +115,21 @@ class _Speculation:
 
 
 @dataclass(eq=False)
-class _Pending:
-    """Rows of one prepared step, arriving in the background; consumed one Engram layer at a time."""
+class _PrefetchedRows:
+    """The EngramRows of one prepared step: rows arriving in the background, taken one Engram layer at a time."""
 
+    memory: "EngramMemory"
     hash_ids: torch.Tensor  # [B, S, L, C]
     submitted: float  # perf_counter at submission
-    prefetch: Prefetch | None  # all batch rows, or only those a speculation did not cover
+    prefetch: Prefetch | None  # all batch rows, or only those a speculation did not cover; None: gather on demand
     speculation: _Speculation | None = None
     covered: torch.Tensor | None = None  # bool [B]: row served from the speculation
     choice: torch.Tensor | None = None  # [B]: rank of the candidate it matched
-    consumed: set[int] = field(default_factory=set)
 
-    def rows(self, slot: int) -> torch.Tensor:
+    def get(self, slot: int) -> torch.Tensor:
+        return self.memory._rows_of(self, slot)
+
+    def arrived(self, slot: int) -> torch.Tensor:
         if self.speculation is None:
             return self.prefetch.rows(slot)
         rows = None
@@ -142,60 +144,46 @@ class _Pending:
         return rows
 
 
-def _same_ids(expected: torch.Tensor, ids: torch.Tensor) -> bool:
-    """True when the model asks for exactly the ids that were prefetched.
-
-    On CPU the contents are compared (cheap). On an accelerator a content comparison would synchronise the host
-    with the device, so the view the model indexes out of the returned hash ids is recognised by identity, and
-    anything else is compared on the host."""
-    if expected.shape != ids.shape:
-        return False
-    if expected.device.type != "cpu" and expected.device == ids.device and \
-            expected.data_ptr() == ids.data_ptr() and expected.stride() == ids.stride():
-        return True
-    if expected.device != ids.device:
-        return torch.equal(expected.cpu(), ids.cpu())
-    return torch.equal(expected, ids)
-
-
 class EngramMemory:
-    """The Engram tables of one model in one tier, with background prefetch. Build with `EngramMemory.attach`."""
+    """The Engram tables of one model in one tier, the hashing of its tokens, and background prefetch. Build with
+    `EngramMemory.attach`; `prepare` (or `prefetch_batch` in training) gives each call's EngramRows."""
 
     def __init__(self, model: torch.nn.Module, placement: str, tables: dict[int, EngramTable],
-                 prefetch: bool = True) -> None:
-        self.model, self.placement, self.tables = model, placement, tables
+                 frontend: EngramFrontend | None, prefetch: bool = True) -> None:
+        self.model, self.placement, self.tables, self.frontend = model, placement, tables, frontend
         self.layer_ids = list(model.cfg.engram_layer_ids)
         self.prefetch = prefetch
-        self._prefetcher = EngramPrefetcher(tables) if tables else None
+        # The device tier gathers from the model's own tables when a layer asks (no worker: training needs the
+        # gather inside autograd, and on one device there is nothing to overlap).
+        background = bool(tables) and placement != "device"
+        self._prefetcher = EngramPrefetcher(tables) if background else None
         # Speculative gathers (k rows per batch row) get their own worker so a real prefetch never queues behind
         # one; a ShardedTable's collectives must keep one order on every rank, so it shares the main worker.
         sharded = any(isinstance(t, ShardedTable) for t in tables.values())
-        self._speculator = EngramPrefetcher(tables) if tables and not sharded else self._prefetcher
-        self._pending: deque[_Pending] = deque()
+        self._speculator = EngramPrefetcher(tables) if background and not sharded else self._prefetcher
         self._speculation: _Speculation | None = None
         self._stats = MemoryStats()
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
-    def attach(cls, model: torch.nn.Module, placement: str, *, table_dir: str | Path | None = None,
-               cache_bytes: int = 0, io_threads: int = 4, group: Any = None, prefetch: bool = True,
-               checkpoint_dir: str | Path | None = None) -> "EngramMemory":
-        """Move the model's Engram tables to `placement` and route its lookups through the returned memory.
+    def attach(cls, model: torch.nn.Module, placement: str = "device", *, frontend: EngramFrontend | None = None,
+               table_dir: str | Path | None = None, cache_bytes: int = 0, io_threads: int = 4, group: Any = None,
+               prefetch: bool = True, checkpoint_dir: str | Path | None = None) -> "EngramMemory":
+        """The Engram memory of `model` in `placement`; its `prepare` hands rows down to the model's steps.
 
-        host / sharded: built from the model's FP8 DeviceTables (quantize fp32 tables with DeviceTable.to_fp8
-        first), or read straight from `checkpoint_dir`'s safetensors (a sharded rank reads only its block), so
-        the model never needs to hold them. disk: opens `table_dir/engram_layer{L}.oftable` (from `openflash
-        engram export`); `cache_bytes` is the row cache of each table, `io_threads` its readers. Table files and
+        frontend: the token map and hasher of the model's tokenizer (EngramFrontend.for_config / from_token_map;
+        default: the DeepSeek tokenizer restricted to the vocabulary). device: the model's own tables. host /
+        sharded: built from the model's FP8 DeviceTables (quantize fp32 tables with DeviceTable.to_fp8 first), or
+        read straight from `checkpoint_dir`'s safetensors (a sharded rank reads only its block), so the model
+        never needs to hold them. disk: opens `table_dir/engram_layer{L}.oftable` (from `openflash engram
+        export`); `cache_bytes` is the row cache of each table, `io_threads` its readers. Table files and
         checkpoints are checked against the model's hash layout. sharded: `group` is the torch.distributed
-        process group (None: the default group). After attaching, the model's own table copies are released
+        process group (None: the default group). Outside `device`, the model's own table copies are released
         (DeviceTable.release). prefetch=False gathers each layer's rows when the layer asks (for measuring what
         prefetch buys).
         """
         if placement not in PLACEMENTS:
             raise ConfigError(f"unknown Engram placement {placement!r}; choose one of {list(PLACEMENTS)}")
-        if getattr(model, "row_source", None) is not None:
-            raise EngramTableError("this model already has an Engram memory attached (model.row_source is set); "
-                                   "close it before attaching another")
         if table_dir is not None and placement != "disk":
             raise ConfigError(f"a table folder ({table_dir}) only applies to Engram placement 'disk', not "
                               f"{placement!r}")
@@ -206,20 +194,24 @@ class EngramMemory:
                               f"'host' and 'sharded', not {placement!r}")
         cfg = model.cfg
         layer_ids = list(cfg.engram_layer_ids)
-        if placement == "device" or not layer_ids:
-            return cls(model, placement, {}, prefetch)
-
-        embeds: dict[int, DeviceTable] = {j: model.layers[lid].engram.embed for j, lid in enumerate(layer_ids)}
+        if not layer_ids:
+            return cls(model, placement, {}, None, prefetch)
+        frontend = frontend if frontend is not None else EngramFrontend.for_config(cfg)
+        embeds: dict[int, DeviceTable] = model.engram_tables()
         for j, lid in enumerate(layer_ids):
             if embeds[j].released is not None:
                 raise EngramTableError(f"Engram layer {lid}: its table was already released to the "
-                                       f"{embeds[j].released!r} tier")
+                                       f"{embeds[j].released!r} tier (close that memory's model, or load the model "
+                                       f"again)")
+        if placement == "device":
+            return cls(model, placement, dict(embeds), frontend, prefetch)
+        for j, lid in enumerate(layer_ids):
             if placement in ("host", "sharded") and checkpoint_dir is None and embeds[j].storage != "fp8":
                 raise EngramTableError(f"Engram layer {lid}: placement {placement!r} holds FP8 rows but the model's "
                                        f"table is {embeds[j].storage}; quantize it first (DeviceTable.to_fp8)")
         common = dict(layer_ids=layer_ids, num_rows=list(cfg.engram_num_embeddings), dim=cfg.engram_head_dim,
                       device=model.device)
-        fingerprint = model.engram_frontend.layout.layout_fingerprint()
+        fingerprint = frontend.layout.layout_fingerprint()
         if placement == "disk":
             if table_dir is None:
                 raise ConfigError("Engram placement 'disk' needs the folder of table files written by "
@@ -239,15 +231,18 @@ class EngramMemory:
             tables = open_tables(placement, device_tables=embeds, group=group, **common)
         for embed in embeds.values():
             embed.release(placement)
-        memory = cls(model, placement, tables, prefetch)
-        model.row_source = memory._row_source
-        return memory
+        return cls(model, placement, tables, frontend, prefetch)
 
     # ---- before a step -------------------------------------------------------------------------------------
+    def _hash(self, input_ids: torch.Tensor, state: EngramHashState,
+              image_mask: torch.Tensor | None) -> tuple[torch.Tensor, EngramHashState]:
+        return self.frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
+
     def prepare(self, input_ids: torch.Tensor, cache: HashedSequences,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Hash ids [B, S, L, C] of a prefill chunk or decode step [B, S] following `cache`; advances
-        `cache.engram` and starts gathering the rows. Pass the result to `model.step(..., hash_ids=...)`."""
+                image_mask: torch.Tensor | None = None) -> EngramRows | None:
+        """The EngramRows of a prefill chunk or decode step [B, S] following `cache`: hashes the tokens (advancing
+        `cache.engram`, created here at a sequence's first call) and starts gathering the rows. Pass the result
+        to `model.step(..., engram=...)`. None for a model without Engram layers."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(1)
         speculation = self._speculation
@@ -260,31 +255,44 @@ class EngramMemory:
         start = time.perf_counter()
         if cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]} rows")
-        before = cache.engram
-        hash_ids, cache.engram = self.model.engram_frontend.hash(
-            input_ids, before, None if image_mask is None else ~image_mask)
+        before = cache.engram if cache.engram is not None else \
+            self.frontend.hasher.empty_state(input_ids.shape[0], input_ids.device)
+        hash_ids, cache.engram = self._hash(input_ids, before, image_mask)
         self._stats.steps += 1
         if speculation is not None:
-            self._use_speculation(speculation, input_ids, before, hash_ids, image_mask)
+            rows = self._use_speculation(speculation, input_ids, before, hash_ids, image_mask)
         else:
-            self._submit(hash_ids)
+            rows = self._submit(hash_ids)
         self._stats.prepare_seconds += time.perf_counter() - start
-        return hash_ids
+        return rows
 
-    def prefetch_batch(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Training: hash ids of full sequences [B, S] from position 0, with their rows gathered in the
-        background. Call it for batch n+1 before running batch n; pass the result to
-        `model(input_ids, targets, hash_ids=...)`."""
+    def prefetch_batch(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> EngramRows | None:
+        """Training: the EngramRows of full sequences [B, S] from position 0 (on the device tier, gathered inside
+        autograd when the layer asks). Call it for batch n+1 before running batch n; pass the result to
+        `model(input_ids, targets, engram=...)`."""
         if not self.layer_ids:
             return None
         start = time.perf_counter()
-        frontend = self.model.engram_frontend
-        state = frontend.hasher.empty_state(input_ids.shape[0], input_ids.device)
-        hash_ids, _ = frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
+        state = self.frontend.hasher.empty_state(input_ids.shape[0], input_ids.device)
+        hash_ids, _ = self._hash(input_ids, state, image_mask)
         self._stats.steps += 1
-        self._submit(hash_ids)
+        rows = self._submit(hash_ids)
         self._stats.prepare_seconds += time.perf_counter() - start
-        return hash_ids
+        return rows
+
+    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: HashedSequences) -> EngramRows | None:
+        """The rows of prompt_ids[start:stop] for Transformer.replay, with the hash history rebuilt from the
+        tokens before `start` (a restored prefix cache holds no history); leaves `cache.engram` after `stop`."""
+        if not self.layer_ids:
+            return None
+        device = self.model.device
+        history = self.model.cfg.engram_max_ngram_size - 1
+        state = self.frontend.hasher.empty_state(1, device)
+        before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=device)
+        if before.shape[1]:
+            _, state = self._hash(before, state, None)
+        cache.engram = state
+        return self.prepare(torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=device), cache)
 
     def speculate(self, logits: torch.Tensor, cache: HashedSequences, k: int) -> None:
         """Start gathering the rows of the k likeliest next tokens of each row of `logits` [B, V] (step t's
@@ -307,7 +315,7 @@ class EngramMemory:
             self._cancel(self._speculation, keep=())
         prefetches = None
         if gather:
-            frontend = self.model.engram_frontend
+            frontend = self.frontend
 
             def candidate_hash_ids() -> torch.Tensor:  # runs on the speculation worker: [B, k, L, C]
                 ids, _ = frontend.hash(tokens.reshape(B * k, 1), EngramHashState(history.repeat_interleave(k, 0)))
@@ -320,7 +328,7 @@ class EngramMemory:
         self._stats.speculate_seconds += time.perf_counter() - start
 
     def _use_speculation(self, spec: _Speculation, input_ids: torch.Tensor, before: EngramHashState,
-                         hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> None:
+                         hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> EngramRows:
         stats = self._stats.speculation
         B, S = input_ids.shape
         # Candidates are text tokens following this exact history; anything else hashes differently.
@@ -328,22 +336,20 @@ class EngramMemory:
                 (image_mask is not None and bool(image_mask.any())):
             stats.unused += 1
             self._cancel(spec, keep=())
-            self._submit(hash_ids)
-            return
+            return self._submit(hash_ids)
         match = spec.tokens == input_ids.to(spec.tokens.device)  # [B, k]
         covered, choice = match.any(dim=1), match.int().argmax(dim=1)
         stats.rows_checked += B
         stats.rows_covered += int(covered.sum())
         self._cancel(spec, keep=set(choice[covered].tolist()))
         if spec.prefetches is None or not bool(covered.any()):
-            self._submit(hash_ids)
-            return
+            return self._submit(hash_ids)
         stats.rows_served += int(covered.sum())
         rest = None
         if not bool(covered.all()):
             rest = self._prefetcher.submit(hash_ids[~covered.to(hash_ids.device)])
             self._stats.prefetches += 1
-        self._push(_Pending(hash_ids, time.perf_counter(), rest, spec, covered, choice))
+        return _PrefetchedRows(self, hash_ids, time.perf_counter(), rest, spec, covered, choice)
 
     def _cancel(self, spec: _Speculation, keep: Any) -> None:
         """Drop the queued gathers of candidates no step will use, so slow storage never builds a backlog of
@@ -355,58 +361,35 @@ class EngramMemory:
             if rank not in keep:
                 self._stats.speculation.cancelled += prefetch.cancel()
 
-    def _submit(self, hash_ids: torch.Tensor) -> None:
-        if self._prefetcher is None or not self.prefetch:
-            return
+    def _submit(self, hash_ids: torch.Tensor) -> _PrefetchedRows:
+        """Rows of `hash_ids`, gathered in the background when this tier prefetches, else when a layer asks."""
         submitted = time.perf_counter()
-        prefetch = self._prefetcher.submit(hash_ids)
-        self._stats.prefetches += 1
-        self._push(_Pending(hash_ids, submitted, prefetch))
+        prefetch = None
+        if self._prefetcher is not None and self.prefetch:
+            prefetch = self._prefetcher.submit(hash_ids)
+            self._stats.prefetches += 1
+        return _PrefetchedRows(self, hash_ids, submitted, prefetch)
 
-    def _push(self, entry: _Pending) -> None:
-        self._pending.append(entry)
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popleft()
-            self._stats.stale += 1
-
-    # ---- during a step (model.row_source) ------------------------------------------------------------------
-    def _row_source(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows [B, S, C, dim] of Engram layer slot `slot`: the prefetched ones if the ids match."""
+    # ---- during a step (EngramRows.get) --------------------------------------------------------------------
+    def _rows_of(self, entry: _PrefetchedRows, slot: int) -> torch.Tensor:
+        """Rows [B, S, C, dim] of Engram layer slot `slot` for a prepared step: arrived in the background, or
+        gathered now (device tier, prefetch off); the wait is counted per layer."""
         start = time.perf_counter()
-        entry = self._take(slot, ids)
-        if entry is None:
-            if self.prefetch:
-                self._stats.fallbacks += 1
-            else:
-                self._stats.sync_gathers += 1
-            rows = self._gather_now(slot, ids)
+        if entry.prefetch is None and entry.speculation is None:
+            self._stats.sync_gathers += 1
+            rows = self._gather_now(slot, entry.hash_ids[:, :, slot])
+            slack = None
         else:
-            try:
-                rows = entry.rows(slot)
-            except BaseException:
-                if entry in self._pending:  # a failed gather fails this step; later steps start clean
-                    self._pending.remove(entry)
-                raise
-        self._stats.add_wait(self.layer_ids[slot], time.perf_counter() - start,
-                             None if entry is None else start - entry.submitted)
+            rows = entry.arrived(slot)
+            slack = start - entry.submitted
+        self._stats.add_wait(self.layer_ids[slot], time.perf_counter() - start, slack)
         return rows
-
-    def _take(self, slot: int, ids: torch.Tensor) -> _Pending | None:
-        for n, entry in enumerate(self._pending):
-            if slot in entry.consumed or not _same_ids(entry.hash_ids[:, :, slot], ids):
-                continue
-            for _ in range(n):  # earlier prefetches whose step never came
-                self._pending.popleft()
-                self._stats.stale += 1
-            entry.consumed.add(slot)
-            if len(entry.consumed) == len(self.layer_ids):
-                self._pending.popleft()
-            return entry
-        return None
 
     def _gather_now(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.tables[slot], ShardedTable):
             return self._prefetcher.gather(slot, ids)  # collectives stay in the worker's order
+        if self.placement == "device":
+            return self.tables[slot].gather(ids)  # the model's own table (training: inside autograd)
         try:
             return self.tables[slot].gather(ids)
         except EngramTableError:
@@ -417,7 +400,7 @@ class EngramMemory:
 
     # ---- reporting and shutdown ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Waits and slack per Engram layer (seconds, keyed by layer id), fallbacks, speculative coverage, and
+        """Waits and slack per Engram layer (seconds, keyed by layer id), speculative coverage, and
         each table's lookup counters (row-cache hit rates for disk)."""
         s = self._stats
         tables = {self.layer_ids[j]: t.stats.as_dict() for j, t in self.tables.items() if hasattr(t, "stats")}
@@ -430,8 +413,6 @@ class EngramMemory:
             "steps": s.steps,
             "prefetches": s.prefetches,
             "sync_gathers": s.sync_gathers,
-            "fallbacks": s.fallbacks,
-            "stale": s.stale,
             "prepare_seconds": s.prepare_seconds,
             "speculate_seconds": s.speculate_seconds,
             "wait_seconds": dict(s.wait_seconds),
@@ -461,10 +442,7 @@ class EngramMemory:
         for table in self.tables.values():
             if isinstance(table, DiskTable):
                 table.close()
-        self._pending.clear()
         self._speculation = None
-        if getattr(self.model, "row_source", None) == self._row_source:
-            self.model.row_source = None
 
     def __enter__(self) -> "EngramMemory":
         return self
@@ -473,4 +451,4 @@ class EngramMemory:
         self.close()
 
 
-__all__ = ["EngramMemory", "MemoryStats", "SpeculationStats", "MAX_PENDING"]
+__all__ = ["EngramMemory", "MemoryStats", "SpeculationStats", "HashedSequences"]

@@ -23,7 +23,7 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.formats import as_uint8
-from openflash.memory.rows import SCALE_BLOCK
+from openflash.model.engram_table import SCALE_BLOCK
 
 TABLE_MAGIC = b"OFENGRAM"
 TABLE_VERSION = 1

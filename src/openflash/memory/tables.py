@@ -20,10 +20,10 @@ from openflash.errors import CheckpointError, ConfigError, EngramTableError
 from openflash.memory.checkpoint_tables import CheckpointTables
 from openflash.memory.rows import EngramTable
 from openflash.memory.table_file import table_file_name
-from openflash.memory.tiers.device import DeviceTable
 from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tiers.host import HostTable
 from openflash.memory.tiers.sharded import ShardedTable
+from openflash.model.engram_table import DeviceTable
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -14,11 +14,21 @@ Caches can be split and joined along the batch (`select`, `concat`) so an engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 import torch
 
 from openflash.config import FlashConfig, LayerMode
-from openflash.memory.hashing import EngramHashState
+
+
+class RowHistory(Protocol):
+    """Per-sequence state that the caller keeps in the cache beside the model's own: the Engram hash history
+    (memory/hashing.py EngramHashState), created and advanced by the Engram memory, split and joined with the batch."""
+
+    def select(self, rows: torch.Tensor) -> "RowHistory": ...
+
+    @classmethod
+    def concat(cls, states: list[Any]) -> "RowHistory": ...
 
 
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -93,12 +103,21 @@ class ReplayBuffer:
     positions: torch.Tensor  # [B, n]
 
 
+def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
+    if all(s is None for s in states):
+        return None
+    if any(s is None for s in states):
+        raise ValueError("caches to batch must all have an Engram hash history (prepare every sequence's tokens "
+                         "through the Engram memory) or none")
+    return type(states[0]).concat(states)
+
+
 @dataclass
 class ModelCache:
     pos: torch.Tensor  # [B] tokens consumed so far
     window: list[WindowCache]
     compressed: dict[int, CompressedCache]
-    engram: EngramHashState | None
+    engram: RowHistory | None  # set by the Engram memory at the first prepare (None until then, or no Engram)
     replay: ReplayBuffer | None = None
     meta: dict = field(default_factory=dict)
 
@@ -121,10 +140,8 @@ class ModelCache:
                     partial_kv=torch.zeros(batch_size, t.compress_ratio, d, dtype=torch.float32, device=device),
                     partial_score=torch.full((batch_size, t.compress_ratio, d), float("-inf"), device=device),
                 )
-        engram = EngramHashState.empty(batch_size, cfg.engram_max_ngram_size - 1, device=device) \
-            if cfg.engram_layer_ids else None
         return cls(pos=torch.zeros(batch_size, dtype=torch.long, device=device), window=window,
-                   compressed=compressed, engram=engram)
+                   compressed=compressed, engram=None)
 
     @property
     def batch_size(self) -> int:
@@ -160,7 +177,7 @@ class ModelCache:
                 partial_kv=torch.cat([c.compressed[i].partial_kv for c in caches]),
                 partial_score=torch.cat([c.compressed[i].partial_score for c in caches]),
             ) for i in first.compressed},
-            engram=type(first.engram).concat([c.engram for c in caches]) if first.engram is not None else None,
+            engram=_concat_history([c.engram for c in caches]),
         )
 
     def nbytes(self) -> int:

@@ -1,19 +1,30 @@
 """Engram gate: adds looked-up n-gram memory to the residual streams (spec: engram.md §6, §7).
 
 The rows come from an Engram table (openflash.memory: device, host, disk or sharded tier), addressed by hash ids
-that depend on token ids alone. This module only consumes them: rows [B, S, C, dim] are projected by `wkv` into a
+that depend on token ids alone, and reach the model as `EngramRows` handed to its forward. This module only
+consumes them: rows [B, S, C, dim] are projected by `wkv` into a
 key per stream and one shared value; each stream gets its own scalar gate from a normalised key . residual dot
 product passed through a signed square root and a sigmoid.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from openflash.config import FlashConfig
-from openflash.memory.tiers.device import DeviceTable
+from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin
+
+
+class EngramRows(Protocol):
+    """The Engram rows of one forward call, prepared by the caller before the call (memory/ implements it: it
+    hashes the tokens and fetches the rows from whichever tier holds them, the model's own tables included)."""
+
+    def get(self, slot: int) -> torch.Tensor:
+        """Dequantized rows [B, S, C, dim] of Engram layer `slot` (its index in engram_layer_ids)."""
 
 
 class Engram(nn.Module, NumericsMixin):

@@ -1,13 +1,14 @@
 """The V4.1-Flash text model, top to bottom (spec: architecture.md §2, §4.4, §7).
 
-    hash ids = Engram hash of the tokens (memory/)            # addresses depend on tokens only
+    rows = the caller's Engram rows of the tokens (memory/)   # addresses depend on tokens only: prepared ahead
     R = 4 copies of embed(tokens); pre = one-hot               # mHC residual streams
     for each layer L:
         if Engram sits before L: R = Engram_L(R, rows)         # looked up, not computed
         R, pre = Block_L(R, pre)                               # attention (CSA2) + MoE, each wrapped in mHC
     logits = head(norm(collapse(R, pre)))
 
-Two ways to run it:
+Two ways to run it (a model with Engram layers also takes `engram=`, the `EngramRows` its memory prepared from the
+same token ids; the model hashes nothing and imports nothing from memory/):
 - `forward(input_ids, targets)`: a full causal sequence from position 0 (training), returning logits and loss,
   plus the indexer's KL term;
 - `step(input_ids, cache)`: incremental inference; prefill chunks and decode steps carry all state in a
@@ -20,18 +21,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from openflash.config import FlashConfig, LayerTopology
-from openflash.memory.frontend import EngramFrontend
 from openflash.model.attention import Attention
 from openflash.model.cache import ModelCache, ReplayBuffer
 from openflash.model.context import CompressedView, Probe, StepContext
-from openflash.model.engram import Engram
+from openflash.model.engram import Engram, EngramRows
+from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix, hc_coefficients
 from openflash.model.moe import MoE
@@ -39,8 +39,8 @@ from openflash.model.numerics import FP32, Numerics
 
 log = logging.getLogger("openflash.model")
 
-# rows(slot, hash_ids [B, S, C]) -> dequantized rows [B, S, C, dim]: an external Engram tier (memory/).
-RowSource = Callable[[int, torch.Tensor], torch.Tensor]
+NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepared from the same token ids by its "
+           "Engram memory (openflash.memory.placement.EngramMemory.prepare, or prefetch_batch for training)")
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Block(nn.Module, NumericsMixin):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: FlashConfig, engram_frontend: EngramFrontend | None = None) -> None:
+    def __init__(self, cfg: FlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -113,8 +113,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, exact_fp32=True)  # fp32 logits
         self.numerics: Numerics = FP32
-        self._engram_frontend = engram_frontend
-        self.row_source: RowSource | None = None  # None: gather from the tables held in this module
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
 
     # ---- configuration ---------------------------------------------------------------------------------------
@@ -125,15 +123,10 @@ class Transformer(nn.Module):
                 module.numerics = numerics
         return self
 
-    @property
-    def engram_frontend(self) -> EngramFrontend:
-        """Token map + hasher; built on first use from the DeepSeek tokenizer unless one was attached."""
-        if self._engram_frontend is None:
-            self._engram_frontend = EngramFrontend.for_config(self.cfg)
-        return self._engram_frontend
-
-    def attach_engram_frontend(self, frontend: EngramFrontend) -> None:
-        self._engram_frontend = frontend
+    def engram_tables(self) -> dict[int, DeviceTable]:
+        """The model's own Engram tables by slot (index in engram_layer_ids): what the `device` tier reads, and
+        what another tier replaces (and releases) when it takes the rows over."""
+        return {t.engram_slot: self.layers[t.index].engram.embed for t in self.cfg.topology.layers if t.engram_before}
 
     @property
     def device(self) -> torch.device:
@@ -151,15 +144,14 @@ class Transformer(nn.Module):
         return residual, pre
 
     def _layers(self, residual: torch.Tensor, pre: torch.Tensor, layers: range, ctx: StepContext,
-                hash_ids: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                engram: EngramRows | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         token_mask = None if image_mask is None else ~image_mask
         for i in layers:
             block = self.layers[i]
             if block.topo.engram_before:
-                slot = block.topo.engram_slot
-                ids = hash_ids[:, :, slot]
-                rows = self.row_source(slot, ids) if self.row_source is not None else block.engram.embed.gather(ids)
-                residual = block.engram(residual, rows, token_mask)
+                if engram is None:
+                    raise ValueError(NO_ROWS)
+                residual = block.engram(residual, engram.get(block.topo.engram_slot), token_mask)
                 ctx.put(f"engram{i}.out", residual)
                 residual = ctx.forced(f"engram{i}.out", residual)
             residual, pre = block(residual, pre, ctx, image_mask)
@@ -174,32 +166,17 @@ class Transformer(nn.Module):
         ctx.put("final_norm", x)
         return self.head(x.float())
 
-    def hash_ids(self, input_ids: torch.Tensor, cache: ModelCache | None,
-                 image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Engram hash ids of a chunk; advances the cache's hash history."""
-        if not self.cfg.engram_layer_ids:
-            return None
-        frontend = self.engram_frontend
-        state = cache.engram if cache is not None else frontend.hasher.empty_state(input_ids.shape[0],
-                                                                                   input_ids.device)
-        ids, new_state = frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
-        if cache is not None:
-            cache.engram = new_state
-        return ids
-
     # ---- training forward -----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
-                hash_ids: torch.Tensor | None = None, dense_indexer: bool = False,
+                engram: EngramRows | None = None, dense_indexer: bool = False,
                 image_mask: torch.Tensor | None = None,
                 probe: Probe | None = None) -> ForwardOutput:
         """Full causal sequences [B, S] from position 0."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe)
-        if hash_ids is None:
-            hash_ids = self.hash_ids(input_ids, None, image_mask)
         residual, pre = self._streams(input_ids)
-        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, hash_ids, image_mask)
+        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, image_mask)
         logits = self._logits(residual, pre, ctx)
         loss = None
         if targets is not None:
@@ -210,7 +187,7 @@ class Transformer(nn.Module):
     # ---- incremental inference -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
-             hash_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+             engram: EngramRows | None = None, image_mask: torch.Tensor | None = None,
              probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor | None:
         """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
         each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
@@ -230,25 +207,20 @@ class Transformer(nn.Module):
         if cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
-        if hash_ids is None:
-            hash_ids = self.hash_ids(input_ids, cache, image_mask)
-        # else: the caller hashed ahead (to prefetch rows) and has advanced cache.engram itself.
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe)
-        if hash_ids is not None:
-            ctx.put("engram_hash", hash_ids)
         residual, pre = self._streams(input_ids)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         if mode == "exact" and cache.replay is not None:
             raise ValueError("this cache has a pending bounded-replay prefill; finish it in 'bounded' mode")
         if mode == "exact" or split >= n_layers:
-            residual, pre = self._layers(residual, pre, range(n_layers), ctx, hash_ids, image_mask)
+            residual, pre = self._layers(residual, pre, range(n_layers), ctx, engram, image_mask)
             cache.pos = cache.pos + S
             logits = self._logits(residual if all_logits else residual[:, -1:], pre if all_logits else pre[:, -1:],
                                   ctx)
             return logits if all_logits else logits[:, -1]
 
         # Bounded replay: encoder on every token, plus the decoder KV owner's compressor and index keys.
-        residual, pre = self._layers(residual, pre, range(split), ctx, hash_ids, image_mask)
+        residual, pre = self._layers(residual, pre, range(split), ctx, engram, image_mask)
         owner = self.layers[split]
         owner_x = owner.attn_norm(collapse(residual, pre, self.numerics))
         owner.attn.publish_compressed(owner_x, ctx)
@@ -265,15 +237,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
-               hash_ids: torch.Tensor | None = None) -> None:
+               engram: EngramRows | None = None) -> None:
         """Rebuild a cache's bounded state from the last tokens [1, S] (positions start..start+S-1) of a prefix
         whose global state (compressed KV and index keys) the cache already holds, as prefix caching restores one.
 
         Every owner layer's compressed view is published up front, so no compressor runs and no cached entry is
         rewritten; per-query visibility keeps the replay causal. With `bounded` (and a model whose bounded replay is
         exact, `Topology.bounded_replay_ok`) only the encoder half runs and its output becomes the pending
-        decoder-half input, as a chunked bounded prefill would leave it. `hash_ids` (Engram) are the caller's, with
-        `cache.engram` already advanced past the prefix."""
+        decoder-half input, as a chunked bounded prefill would leave it. `engram`: the rows of these tokens, prepared
+        by the caller with `cache.engram` advanced past the prefix."""
         S = input_ids.shape[1]
         positions = torch.arange(start, start + S, device=input_ids.device).unsqueeze(0)
         views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
@@ -281,7 +253,7 @@ class Transformer(nn.Module):
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok
         residual, pre = self._streams(input_ids)
-        residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, hash_ids, None)
+        residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, engram, None)
         if bounded:
             cache.replay = ReplayBuffer(residual, pre, positions)
         cache.pos = torch.tensor([start + S], dtype=torch.long, device=input_ids.device)

@@ -46,6 +46,8 @@ from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_FILE, checkpoint_dirs,
                                latest_checkpoint, read_checkpoint_weights, read_trainer_state,
@@ -179,7 +181,10 @@ class Trainer:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
         torch.manual_seed(cfg.seed)
-        self.model = build_model(self.model_cfg, load_tokenizer(self.tokenizer_path), "train").train()
+        self.model = build_model(self.model_cfg, "train").train()
+        frontend = EngramFrontend.for_config(self.model_cfg, load_tokenizer(self.tokenizer_path)) \
+            if self.model_cfg.engram_layer_ids else None
+        self.memory = EngramMemory.attach(self.model, "device", frontend=frontend)  # rows inside autograd
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
@@ -289,11 +294,11 @@ class Trainer:
         step = self.step
         indexer_stage = step < self.schedule.indexer_warmup
         inputs, targets = self.loader.batch_at(step)
-        hash_ids = model.hash_ids(inputs, None)
+        engram = self.memory.prefetch_batch(inputs)
         multiplier = self.schedule.multiplier(step)
         self.optimizer.set_lr_multiplier(multiplier)
         self.optimizer.zero_grad()
-        out = model(inputs, targets, hash_ids=hash_ids, dense_indexer=indexer_stage)
+        out = model(inputs, targets, engram=engram, dense_indexer=indexer_stage)
         if indexer_stage:
             objective = out.indexer_loss
         elif out.indexer_loss is not None and cfg.indexer_loss_weight:
@@ -355,7 +360,7 @@ class Trainer:
                 if hi <= lo:
                     continue
                 x, y = inputs[lo:hi], targets[lo:hi]
-                out = model(x, y, hash_ids=model.hash_ids(x, None))
+                out = model(x, y, engram=self.memory.prefetch_batch(x))
                 total[0] += float(out.loss) * y.numel()
                 total[1] += y.numel()
         finally:

@@ -13,8 +13,9 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.memory.row_cache import RowCache
-from openflash.memory.rows import TableStats, check_ids, decode_rows, output_device
+from openflash.memory.rows import TableStats, output_device
 from openflash.memory.table_file import TableHeader, read_table_header
+from openflash.model.engram_table import check_ids, decode_rows
 
 
 class DiskTable:

@@ -6,8 +6,8 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.formats import as_uint8
-from openflash.memory.rows import SCALE_BLOCK, TableStats, check_ids, check_row_format, decode_rows, output_device
-from openflash.memory.tiers.device import DeviceTable
+from openflash.memory.rows import TableStats, output_device
+from openflash.model.engram_table import SCALE_BLOCK, DeviceTable, check_ids, check_row_format, decode_rows
 
 
 class HostTable:

@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from openflash.errors import EngramTableError
 from openflash.formats import as_uint8
-from openflash.memory.rows import (SCALE_BLOCK, UE8M0_ONE, TableStats, check_ids, check_row_format, decode_rows,
-                                   output_device)
+from openflash.memory.rows import TableStats, output_device
 from openflash.memory.table_file import row_reader
+from openflash.model.engram_table import SCALE_BLOCK, UE8M0_ONE, check_ids, check_row_format, decode_rows
 
 
 def shard_block_rows(num_rows: int, world_size: int) -> int:

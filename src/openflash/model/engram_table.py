@@ -1,5 +1,9 @@
-"""DeviceTable: an Engram table that is part of the model's state_dict (`...engram.embed.weight` / `.scale`),
-fp32 while training, FP8 rows (checkpoint layout) otherwise."""
+"""The Engram table held by the model: `DeviceTable` (`...engram.embed.weight` / `.scale` in the state_dict), fp32
+while training, FP8 rows (checkpoint layout) otherwise, and the FP8 row format every tier shares (engram.md §3, §5).
+
+A looked-up row dequantises to fp32(weight[r, d]) * 2^(scale[r, d//32] - 127), then rounds to bf16. Other tiers
+(memory/tiers/) hold the same rows elsewhere and decode them with `decode_rows`, so every tier returns the same bits.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash.errors import ConfigError, EngramTableError
-from openflash.formats import as_uint8, encode_window_fp8
-from openflash.memory.rows import SCALE_BLOCK, UE8M0_ONE, check_ids, check_row_format, decode_rows
+from openflash.formats import as_uint8, dequantize_fp8_rows, encode_window_fp8
+
+SCALE_BLOCK = 32  # one UE8M0 scale per 32 consecutive values of a row (engram.md §5)
+UE8M0_ONE = 127  # scale byte of 2^0: the padding value of sharded scale blocks (checkpoint.md §6)
+
+
+def decode_rows(weight_u8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """FP8 rows + UE8M0 row scales (uint8) -> fp32 holding the bf16-rounded values (engram.md §5)."""
+    return dequantize_fp8_rows(weight_u8, scale_u8).to(torch.bfloat16).to(torch.float32)
+
+
+def check_ids(ids: torch.Tensor, num_rows: int, where: str) -> None:
+    """Out-of-range ids mean the hash layout and the table disagree; numpy would wrap negatives silently."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise EngramTableError(f"{where}: hash ids must be int64, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_rows:
+        bad = lo if lo < 0 else hi
+        raise EngramTableError(
+            f"{where}: hash id {bad} is outside the table's {num_rows} rows (hash layout and table do not match)"
+        )
+
+
+def check_row_format(weight_u8: torch.Tensor, scale_u8: torch.Tensor, where: str) -> tuple[int, int]:
+    if weight_u8.dim() != 2 or scale_u8.dim() != 2:
+        raise EngramTableError(f"{where}: weight and scale must be 2-D, got {list(weight_u8.shape)} and "
+                               f"{list(scale_u8.shape)}")
+    rows, dim = weight_u8.shape
+    if dim % SCALE_BLOCK != 0:
+        raise EngramTableError(f"{where}: row width {dim} is not a multiple of {SCALE_BLOCK}")
+    if tuple(scale_u8.shape) != (rows, dim // SCALE_BLOCK):
+        raise EngramTableError(f"{where}: scale has shape {list(scale_u8.shape)}, expected "
+                               f"[{rows}, {dim // SCALE_BLOCK}] for weight [{rows}, {dim}]")
+    return rows, dim
 
 
 class DeviceTable(nn.Module):
@@ -56,7 +94,7 @@ class DeviceTable(nn.Module):
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         if self.released is not None:
             raise EngramTableError(f"this Engram table's rows were moved to the {self.released!r} tier; look them "
-                                   f"up through the EngramMemory attached to the model (model.row_source)")
+                                   f"up through the EngramMemory that holds them (its prepare() hands the rows down)")
         if self.storage == "fp32":
             return F.embedding(ids, self.weight)
         flat = ids.reshape(-1).to(self.weight.device)
