@@ -55,6 +55,17 @@ async def send_error(send: Send, status: int, body: bytes, headers: list[tuple[b
     await send({"type": "http.response.body", "body": body})
 
 
+class _StartTracker:
+    """Wraps `send` and remembers whether a response has started (after that, no error body can be sent)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class BodyTooLarge(HTTPException):
     """Raised from `receive` once a streamed body passes the limit; an HTTPException, so that FastAPI's body
     reader passes it on (it turns other exceptions into a 400) and the app's handler answers 413."""
@@ -87,7 +98,7 @@ class BodyLimit:
                                   f"bytes (--max-request-bytes)", "invalid_request_error", code="request_too_large")
                 return await send_error(send, 413, body)
         seen = 0
-        started = False
+        tracked = _StartTracker(send)
 
         async def counted_receive() -> Message:
             nonlocal seen
@@ -98,15 +109,10 @@ class BodyLimit:
                     raise BodyTooLarge(self.max_bytes)
             return message
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, counted_receive, tracked_send)
+            await self.app(scope, counted_receive, tracked)
         except BodyTooLarge as exc:
-            if not started:
+            if not tracked.started:
                 await send_error(send, 413, error_body(exc.detail, "invalid_request_error", code="request_too_large"))
 
 
@@ -138,19 +144,13 @@ class ErrorGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = _StartTracker(send)
         try:
-            await self.app(scope, receive, tracked_send)
+            await self.app(scope, receive, tracked)
         except BodyTooLarge:
             raise  # BodyLimit, outside this guard, answers it
         except Exception as exc:
             log.exception("unhandled error in %s", scope.get("path"))
-            if not started:
+            if not tracked.started:
                 await send_error(send, 500, error_body(f"internal error: {type(exc).__name__}: {exc}",
                                                        "server_error"))

@@ -9,15 +9,7 @@ Layout of a prepared folder (`openflash data prepare`):
     val_00000.bin, val_docs.bin
     progress.json, prepare.lock, *.partial   only while a run is unfinished
 
-One file is one document: its tokens followed by eos (id 1). Documents go to train or val by a hash of their path
-relative to the source folder and the seed, so the split does not depend on file order or on other files.
-
-Resuming: work proceeds in units of files. After each unit the open shard and the offsets file are flushed and
-`progress.json` records their committed lengths (written atomically). A re-run truncates the files back to those
-lengths and continues, so an interrupted run ends byte-identical to an uninterrupted one. Full shards are renamed
-from `.partial` to their final name (tmp + rename), so a final-named shard is always complete.
-
-Preparation (tokenizing a corpus into this layout, resumably) is train/prepare.py.
+Preparation (tokenizing a corpus into this layout, one document per file, resumably) is train/prepare.py.
 """
 
 from __future__ import annotations
