@@ -367,3 +367,24 @@ def test_sharded_tier_matches_device(base, reference, checkpoint_dir, tmp_path):
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results and all(results.values()), (rank, results)
+
+
+def test_serve_disk_tier_of_a_model_with_fp32_tables(tmp_path):
+    """`openflash serve --engram-placement disk` on a model trained here (fp32 tables, no engram_tables folder):
+    its tables are quantized to FP8 rows and exported for the disk tier, which then serves the same rows."""
+    from openflash.checkpoint import open_model
+    from openflash.commands.run import serving_memory
+
+    served, reference = open_model("tiny", numerics="plain"), open_model("tiny", numerics="plain")  # same seed
+    assert reference.model.quantize_engram_tables() == reference.model.cfg.engram_layer_ids
+    memory = serving_memory(served, "disk", "tiny", tmp_path)
+    try:
+        assert memory.placement == "disk" and sorted(p.name for p in tmp_path.iterdir()) == \
+            [table_file_name(lid) for lid in served.model.cfg.engram_layer_ids]
+        ids = prompt(served.model.cfg.vocab_size)
+        a, b = served.model.new_cache(BATCH), reference.model.new_cache(BATCH)
+        got = served.model.step(ids, a, engram=memory.prepare(ids, a))
+        want = reference.model.step(ids, b, engram=reference.memory().prepare(ids, b))
+        assert _same_logits(got, want)  # two model instances: see _same_logits
+    finally:
+        memory.close()

@@ -35,7 +35,7 @@ def generate(args: Any) -> int:
 DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
 
 
-def _attach_engram(loaded: LoadedModel, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
+def serving_memory(loaded: LoadedModel, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
                    cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> Any:
     """The Engram memory of --engram-placement (memory/placement.py). The disk tier reads `<model
     folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
@@ -49,11 +49,9 @@ def _attach_engram(loaded: LoadedModel, placement: str, model_arg: str, scratch:
         raise OpenflashError("--engram-placement sharded needs a torch.distributed group of ranks; `openflash serve` "
                              "runs one process (use host or disk)")
     cfg = model.cfg
-    for lid in cfg.engram_layer_ids:
-        engram = model.layers[lid].engram
-        if engram.embed.storage != "fp8":  # host and disk tiers hold FP8 rows (checkpoint row format)
-            log.info("Engram layer %d: quantizing its fp32 table to FP8 rows for the %s tier", lid, placement)
-            engram.embed = engram.embed.to_fp8()
+    quantized = model.quantize_engram_tables()  # host and disk tiers hold FP8 rows (checkpoint row format)
+    if quantized:
+        log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
     if placement != "disk":
         return loaded.memory(placement)
     folder = Path(table_dir) if table_dir else Path(model_arg) / "engram_tables"
@@ -64,9 +62,10 @@ def _attach_engram(loaded: LoadedModel, placement: str, model_arg: str, scratch:
     if not folder.is_dir():
         folder = scratch
         fingerprint = loaded.engram_frontend.layout.layout_fingerprint()
-        for lid in cfg.engram_layer_ids:
-            embed = model.layers[lid].engram.embed
-            write_table_file(folder / table_file_name(lid), embed.weight.detach(), embed.scale.detach(), fingerprint)
+        tables = model.engram_tables()
+        for slot, lid in enumerate(cfg.engram_layer_ids):
+            write_table_file(folder / table_file_name(lid), tables[slot].weight.detach(), tables[slot].scale.detach(),
+                             fingerprint)
         log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
     return loaded.memory("disk", table_dir=str(folder), cache_bytes=cache_bytes, io_threads=io_threads)
 
@@ -93,7 +92,7 @@ def serve(args: Any) -> int:
     else:
         log.info("loaded %s: %s", args.model, note)
     scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-    memory = _attach_engram(loaded, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
+    memory = serving_memory(loaded, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
                             args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads, args.verify)
     speculate = args.engram_speculate if args.engram_placement != "device" else 0
     engine = LLMEngine(model, tokenizer, EngineConfig(

@@ -128,6 +128,18 @@ class Transformer(nn.Module):
         what another tier replaces (and releases) when it takes the rows over."""
         return {t.engram_slot: self.layers[t.index].engram.embed for t in self.cfg.topology.layers if t.engram_before}
 
+    @torch.no_grad()
+    def quantize_engram_tables(self) -> list[int]:
+        """Turn fp32 (trained) Engram tables into the checkpoint's FP8 row format, which the host and disk tiers
+        hold; returns the layer ids it changed."""
+        changed = []
+        for t in self.cfg.topology.layers:
+            engram = self.layers[t.index].engram if t.engram_before else None
+            if engram is not None and engram.embed.storage != "fp8":
+                engram.embed = engram.embed.to_fp8()
+                changed.append(t.index)
+        return changed
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
