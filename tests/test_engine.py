@@ -16,8 +16,7 @@ from conftest import WithEngram
 from openflash import formats
 from openflash.checkpoint import open_model
 from openflash.config import load_config
-from openflash.engine.cache import (BlockPool, CacheFactory, EntryLayout, concat_rows, encode_kv_exact, release,
-                                    select_rows)
+from openflash.engine.cache import BlockPool, CacheFactory, EntryLayout, encode_kv_exact
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.request import (ABORT, LENGTH, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
@@ -71,21 +70,21 @@ def test_paged_cache_matches_dense_and_frees_blocks(plain):
         assert torch.equal(ld, lq)
         dense.append(d)
         paged.append(q)
-    d_batch, q_batch = ModelCache.concat(dense), concat_rows(paged)
+    d_batch, q_batch = ModelCache.concat(dense), ModelCache.concat(paged)
     for q in paged:
-        release(q)
+        q.release()
     tokens = torch.tensor([7, 8, 9])
     for _ in range(6):
         ld, lq = model.decode(tokens, d_batch), model.decode(tokens, q_batch)
         assert torch.equal(ld, lq)
         tokens = ld.argmax(-1)
     # Regroup (drop the middle row) and keep decoding: still identical.
-    d_two, q_two = d_batch.select([0, 2]), select_rows(q_batch, [0, 2])
-    release(q_batch)
+    d_two, q_two = d_batch.select([0, 2]), q_batch.select([0, 2])
+    q_batch.release()
     ld, lq = model.decode(tokens[[0, 2]], d_two), model.decode(tokens[[0, 2]], q_two)
     assert torch.equal(ld, lq)
     assert factory.pool.blocks_in_use > 0
-    release(q_two)
+    q_two.release()
     assert factory.pool.blocks_in_use == 0
 
 
@@ -98,7 +97,7 @@ def test_block_pool_copy_on_write_and_growth():
     kv, ik = torch.randn(5, cfg.head_dim), torch.randn(5, cfg.index_head_dim)
     c.write(torch.zeros(5, dtype=torch.long), torch.arange(5), kv, ik)  # grows the pool past 2 blocks
     assert pool.num_blocks > 2 and c.blocks_per_row() == [3]
-    b = select_rows(a, [0])  # shares a's blocks
+    b = a.select([0])  # shares a's blocks
     shared = int(b.compressed[4].table[0, 2])
     b.compressed[4].write(torch.tensor([0]), torch.tensor([5]), torch.ones(1, cfg.head_dim),
                           torch.ones(1, cfg.index_head_dim))
@@ -107,8 +106,8 @@ def test_block_pool_copy_on_write_and_growth():
     assert torch.equal(kv_a[0, :5], kv) and torch.equal(kv_a[0, 5], torch.zeros(cfg.head_dim))
     kv_b, _ = b.compressed[4].read(6)
     assert torch.equal(kv_b[0, :5], kv) and torch.equal(kv_b[0, 5], torch.ones(cfg.head_dim))
-    release(a)
-    release(b)
+    a.release()
+    b.release()
     assert pool.blocks_in_use == 0
 
 

@@ -15,10 +15,9 @@ Storage formats (`kv_storage`):
   E4M3 + UE8M0 per 32 (528 B per 512-d slot). The model already QDQs these tensors (numerics `cache_qdq`), so
   packing loses nothing: decode(encode(v)) == v for every QDQ'd v (see `encode_kv_exact`).
 
-The model reads a compressed cache only through `write(rows, entries, kv, index_k)`, `read(n)`, `length`,
-`partial_kv` and `partial_score` (model/attention.py), so `PagedCompressedCache` is a drop-in there. The model's
-own `ModelCache.select` / `concat` build dense `CompressedCache`s, so the engine regroups with `select_rows` /
-`concat_rows` below instead.
+`PagedCompressedCache` and `PackedWindowCache` implement the store protocols the model declares (`CompressedStore`,
+`WindowStore` in model/cache.py), so the model computes with them as with its dense stores, and `ModelCache`'s
+`select` / `concat` / `release` / `nbytes` regroup and account for them by delegation.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from openflash import formats
 from openflash.config import FlashConfig, LayerMode
 from openflash.errors import OpenflashError
 from openflash.memory.hashing import EngramHashState
-from openflash.model.cache import ModelCache, ReplayBuffer, WindowCache
+from openflash.model.cache import ModelCache, WindowCache
 
 KV_STORAGES = ("fp32", "packed")
 _E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
@@ -233,7 +232,7 @@ class BlockPool:
 class PagedCompressedCache:
     """The compressed KV and index keys of one owner layer for B sequences, as block tables into a pool.
 
-    Same interface as model.cache.CompressedCache: `write`, `read`, `length`, `partial_kv`, `partial_score`.
+    A `CompressedStore` (model/cache.py), like the dense CompressedCache.
     Each instance holds one pool reference per table entry; `release()` drops them (the engine calls it when a
     sequence finishes or a batch is regrouped).
     """
@@ -316,8 +315,8 @@ class PagedCompressedCache:
         return PagedCompressedCache(self.pool, table, self.length.index_select(0, rows),
                                     self.partial_kv.index_select(0, rows), self.partial_score.index_select(0, rows))
 
-    @staticmethod
-    def concat(caches: list["PagedCompressedCache"]) -> "PagedCompressedCache":
+    @classmethod
+    def concat(cls, caches: list["PagedCompressedCache"]) -> "PagedCompressedCache":
         pool = caches[0].pool
         width = max(c.table.shape[1] for c in caches)
         table = torch.cat([torch.cat((c.table, c.table.new_zeros(c.batch_size, width - c.table.shape[1])), dim=1)
@@ -346,7 +345,7 @@ class PagedCompressedCache:
 class PackedWindowCache:
     """A sliding-window ring stored as FP8 E4M3 codes with a UE8M0 scale per 32 channels (528 B per 512-d slot).
 
-    Same interface as model.cache.WindowCache: `kv` (decoded on access), `pos`, `write`.
+    A `WindowStore` (model/cache.py), like the dense WindowCache: `kv` is decoded on access.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor) -> None:
@@ -378,39 +377,16 @@ class PackedWindowCache:
         return PackedWindowCache(self.codes.index_select(0, rows), self.scales.index_select(0, rows),
                                  self.pos.index_select(0, rows))
 
+    @classmethod
+    def concat(cls, stores: list["PackedWindowCache"]) -> "PackedWindowCache":
+        return cls(torch.cat([w.codes for w in stores]), torch.cat([w.scales for w in stores]),
+                   torch.cat([w.pos for w in stores]))
+
     def clone(self) -> "PackedWindowCache":
         return PackedWindowCache(self.codes.clone(), self.scales.clone(), self.pos.clone())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.pos))
-
-
-AnyWindow = WindowCache | PackedWindowCache
-
-
-def _window_select(w: AnyWindow, rows: torch.Tensor) -> AnyWindow:
-    if isinstance(w, PackedWindowCache):
-        return w.select(rows)
-    return WindowCache(w.kv.index_select(0, rows), w.pos.index_select(0, rows))
-
-
-def _window_concat(ws: list[AnyWindow]) -> AnyWindow:
-    if isinstance(ws[0], PackedWindowCache):
-        return PackedWindowCache(torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
-                                 torch.cat([w.pos for w in ws]))
-    return WindowCache(torch.cat([w.kv for w in ws]), torch.cat([w.pos for w in ws]))
-
-
-def window_clone(w: AnyWindow) -> AnyWindow:
-    if isinstance(w, PackedWindowCache):
-        return w.clone()
-    return WindowCache(w.kv.clone(), w.pos.clone())
-
-
-def _window_nbytes(w: AnyWindow) -> int:
-    if isinstance(w, PackedWindowCache):
-        return w.nbytes()
-    return w.kv.numel() * w.kv.element_size() + w.pos.numel() * w.pos.element_size()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,49 +439,3 @@ class CacheFactory:
         slot = formats.cache_entry_bytes("window", cfg.head_dim) if self.window_storage == "packed" \
             else 4 * cfg.head_dim
         return len(cfg.topology.layers) * cfg.sliding_window * slot
-
-
-def select_rows(cache: ModelCache, rows: list[int] | torch.Tensor) -> ModelCache:
-    """A new cache holding the given rows (window state copied; compressed blocks shared by reference)."""
-    rows = torch.as_tensor(rows, dtype=torch.long, device=cache.pos.device)
-    return ModelCache(
-        pos=cache.pos.index_select(0, rows),
-        window=[_window_select(w, rows) for w in cache.window],
-        compressed={i: c.select(rows) for i, c in cache.compressed.items()},
-        engram=cache.engram.select(rows) if cache.engram is not None else None,
-        replay=None if cache.replay is None else ReplayBuffer(cache.replay.residual.index_select(0, rows),
-                                                              cache.replay.pre_mix.index_select(0, rows),
-                                                              cache.replay.positions.index_select(0, rows)),
-        meta=dict(cache.meta),
-    )
-
-
-def concat_rows(caches: list[ModelCache]) -> ModelCache:
-    """Join caches along the batch (new block references; release the parts afterwards)."""
-    if any(c.replay is not None for c in caches):
-        raise ValueError("a cache with a pending bounded-replay prefill cannot join a batch; finish the prefill")
-    first = caches[0]
-    return ModelCache(
-        pos=torch.cat([c.pos for c in caches]),
-        window=[_window_concat([c.window[i] for c in caches]) for i in range(len(first.window))],
-        compressed={i: PagedCompressedCache.concat([c.compressed[i] for c in caches]) for i in first.compressed},
-        engram=EngramHashState.concat([c.engram for c in caches]) if first.engram is not None else None,
-        meta=dict(first.meta),
-    )
-
-
-def release(cache: ModelCache | None) -> None:
-    """Return a cache's KV blocks to the pool (its dense tensors are freed when it is dropped)."""
-    if cache is None:
-        return
-    for c in cache.compressed.values():
-        c.release()
-
-
-def cache_nbytes(cache: ModelCache) -> int:
-    total = cache.pos.numel() * 8 + sum(_window_nbytes(w) for w in cache.window)
-    total += sum(c.nbytes() for c in cache.compressed.values())
-    if cache.replay is not None:
-        total += sum(t.numel() * t.element_size() for t in (cache.replay.residual, cache.replay.pre_mix,
-                                                             cache.replay.positions))
-    return total

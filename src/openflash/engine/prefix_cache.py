@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.engine.cache import CacheFactory, PackedWindowCache, window_clone
+from openflash.engine.cache import CacheFactory, PackedWindowCache
 from openflash.errors import OpenflashError
 from openflash.memory.hashing import EngramHashState
 from openflash.model.cache import ModelCache, ReplayBuffer, WindowCache
@@ -146,7 +146,7 @@ class PrefixCache:
                 c.partial_kv, c.partial_score = plane.partial_kv.clone(), plane.partial_score.clone()
         cache.pos = torch.tensor([entry.num_tokens], dtype=torch.long, device=cache.pos.device)
         if entry.window is not None:
-            cache.window = [window_clone(w) for w in entry.window]
+            cache.window = [w.clone() for w in entry.window]
         if entry.engram is not None:
             cache.engram = EngramHashState(entry.engram.clone())
         if entry.replay is not None:
@@ -182,7 +182,7 @@ class PrefixCache:
             planes[layer] = CachedPlane(blocks, length, *partial)
         entry = PrefixEntry(key, num_tokens, planes)
         if snapshot:
-            entry.window = [window_clone(w) for w in cache.window]
+            entry.window = [w.clone() for w in cache.window]
             entry.engram = cache.engram.history.clone() if cache.engram is not None else None
             if cache.replay is not None:
                 r = cache.replay

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from openflash.engine.cache import CacheFactory, concat_rows, release, select_rows
+from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
 from openflash.model.cache import ModelCache
 from openflash.model.engram import EngramRows
@@ -97,9 +97,9 @@ class ModelRunner:
         joining = [s for s in seqs if s.request_id not in set(self.batch_ids)]
         parts = ([self.batch] if self.batch is not None else []) + [s.cache for s in joining]
         if len(parts) > 1:
-            merged = concat_rows(parts)
+            merged = ModelCache.concat(parts)
             for part in parts:
-                release(part)
+                part.release()
             self.batch = merged
         else:
             self.batch = parts[0]
@@ -115,14 +115,14 @@ class ModelRunner:
             return
         keep = [i for i, r in enumerate(self.batch_ids) if r not in gone]
         old = self.batch
-        self.batch = select_rows(old, keep) if keep else None
-        release(old)
+        self.batch = old.select(keep) if keep else None
+        old.release()
         self.batch_ids = [self.batch_ids[i] for i in keep]
 
     def free_own(self, seq: Sequence) -> None:
         """Free the cache a sequence holds itself (while prefilling); its batch rows go with `remove`."""
         if seq.cache is not None:
-            release(seq.cache)
+            seq.cache.release()
             seq.cache = None
 
     # ---- prefix-cache replay ----------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ class Attention(nn.Module, NumericsMixin):
             b_idx, g_idx = complete.nonzero(as_tuple=True)
             state.write(b_idx, entry_ids[b_idx, g_idx], kv[b_idx, g_idx].detach(), index_k[b_idx, g_idx].detach())
             if b_idx.numel():
-                ctx.cache.meta["index_k_publisher"] = self.topo.index
+                ctx.cache.index_k_publisher = self.topo.index
             state.length = visible_entries(ctx.positions[:, -1], ratio)
             view = CompressedView(*state.read(int(state.length.max())), state.length)
         ctx.compressed[self.topo.index] = view
@@ -367,7 +367,7 @@ class Attention(nn.Module, NumericsMixin):
 
 def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:
     """The reference's decode quirk: index keys come from the layer that published them last (any layer)."""
-    publisher = None if ctx.cache is None else ctx.cache.meta.get("index_k_publisher")
+    publisher = None if ctx.cache is None else ctx.cache.index_k_publisher
     if publisher is None:
         return view
     keys = ctx.cache.compressed[publisher].read(view.kv.shape[1])[1]

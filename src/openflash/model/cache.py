@@ -1,19 +1,22 @@
 """Per-sequence inference state, held in explicit objects (spec: architecture.md §7.2).
 
 A `ModelCache` holds a batch of B sequences, each at its own position:
-- every layer's sliding-window ring (`WindowCache`: the last `sliding_window` KV vectors and their positions);
-- for every KV-owner (FULL) layer, the shared compressed KV and index keys (`CompressedCache`), plus the
+- every layer's sliding-window ring (a `WindowStore`: the last `sliding_window` KV vectors and their positions);
+- for every KV-owner (FULL) layer, the shared compressed KV and index keys (a `CompressedStore`), plus the
   compressor's partial group (the tokens of a group that is not complete yet);
-- the Engram hash history (the last max_ngram - 1 compressed ids);
+- the Engram hash history (the last max_ngram - 1 compressed ids), kept here by the Engram memory;
 - for bounded-replay prefill, the decoder-half input of the last `sliding_window` prompt positions.
 
-REUSE and REINDEX layers hold nothing but their window ring: they read their owner's `CompressedCache`.
-Caches can be split and joined along the batch (`select`, `concat`) so an engine can regroup sequences.
+REUSE and REINDEX layers hold nothing but their window ring: they read their owner's compressed store.
+The stores are protocols, declared here where the model consumes them: the dense ones below, and the engine's
+paged compressed blocks and FP8 window rings (engine/cache.py), behind the same methods. `ModelCache` delegates
+to them to split and join batches (`select`, `concat`), account (`nbytes`) and free (`release`), with no type
+dispatch, so an engine regroups sequences whatever the storage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,8 +34,57 @@ class RowHistory(Protocol):
     def concat(cls, states: list[Any]) -> "RowHistory": ...
 
 
+class WindowStore(Protocol):
+    """A sliding-window KV ring of B sequences: slot = position % W; `pos` -1 marks an empty slot."""
+
+    pos: torch.Tensor  # [B, W] long
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """[B, W, head_dim] values (decoded, for packed storage)."""
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None: ...
+
+    def select(self, rows: torch.Tensor) -> "WindowStore": ...
+
+    @classmethod
+    def concat(cls, stores: list[Any]) -> "WindowStore": ...
+
+    def clone(self) -> "WindowStore": ...
+
+    def nbytes(self) -> int: ...
+
+
+class CompressedStore(Protocol):
+    """One owner layer's compressed KV and index keys for B sequences, and its compressor's open group."""
+
+    length: torch.Tensor  # [B] entries written
+    partial_kv: torch.Tensor  # [B, ratio, head_dim] compressor inputs of the open group (slot = position % ratio)
+    partial_score: torch.Tensor  # [B, ratio, head_dim] their gate scores (-inf = empty)
+
+    def write(self, rows: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store compressed entries: batch row rows[i] gets entry id entries[i]."""
+
+    def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
+
+    def select(self, rows: torch.Tensor) -> "CompressedStore": ...
+
+    @classmethod
+    def concat(cls, stores: list[Any]) -> "CompressedStore": ...
+
+    def release(self) -> None:
+        """Give back shared storage (paged blocks); a dense store holds none."""
+
+    def nbytes(self) -> int: ...
+
+
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, rows)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _pad_cat(tensors: list[torch.Tensor], dim: int, fill: float) -> torch.Tensor:
@@ -61,6 +113,19 @@ class WindowCache:
         slots = positions[b_idx, s_idx] % window
         self.kv[b_idx, slots] = kv[b_idx, s_idx].to(self.kv.dtype)
         self.pos[b_idx, slots] = positions[b_idx, s_idx]
+
+    def select(self, rows: torch.Tensor) -> "WindowCache":
+        return WindowCache(_select(self.kv, rows), _select(self.pos, rows))
+
+    @classmethod
+    def concat(cls, stores: list["WindowCache"]) -> "WindowCache":
+        return cls(torch.cat([w.kv for w in stores]), torch.cat([w.pos for w in stores]))
+
+    def clone(self) -> "WindowCache":
+        return WindowCache(self.kv.clone(), self.pos.clone())
+
+    def nbytes(self) -> int:
+        return _nbytes(self.kv, self.pos)
 
 
 @dataclass
@@ -93,6 +158,24 @@ class CompressedCache:
         self.index_k = torch.cat(
             (self.index_k, self.index_k.new_zeros(self.index_k.shape[0], grow, self.index_k.shape[2])), dim=1)
 
+    def select(self, rows: torch.Tensor) -> "CompressedCache":
+        return CompressedCache(*(_select(t, rows) for t in (self.kv, self.index_k, self.length, self.partial_kv,
+                                                              self.partial_score)))
+
+    @classmethod
+    def concat(cls, stores: list["CompressedCache"]) -> "CompressedCache":
+        """Join along the batch, capacity padded to the longest."""
+        return cls(kv=_pad_cat([c.kv for c in stores], 1, 0.0), index_k=_pad_cat([c.index_k for c in stores], 1, 0.0),
+                   length=torch.cat([c.length for c in stores]),
+                   partial_kv=torch.cat([c.partial_kv for c in stores]),
+                   partial_score=torch.cat([c.partial_score for c in stores]))
+
+    def release(self) -> None:
+        pass  # dense tensors are freed with the object
+
+    def nbytes(self) -> int:
+        return _nbytes(self.kv, self.index_k, self.length, self.partial_kv, self.partial_score)
+
 
 @dataclass
 class ReplayBuffer:
@@ -115,11 +198,13 @@ def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
 @dataclass
 class ModelCache:
     pos: torch.Tensor  # [B] tokens consumed so far
-    window: list[WindowCache]
-    compressed: dict[int, CompressedCache]
+    window: list[WindowStore]
+    compressed: dict[int, CompressedStore]
     engram: RowHistory | None  # set by the Engram memory at the first prepare (None until then, or no Engram)
     replay: ReplayBuffer | None = None
-    meta: dict = field(default_factory=dict)
+    # The layer whose index keys were published last: only the `reference` numerics read it, to reproduce the
+    # reference's stale-index-key quirk (docs/parity.md).
+    index_k_publisher: int | None = None
 
     @classmethod
     def empty(cls, cfg: FlashConfig, batch_size: int, device: torch.device | str = "cpu",
@@ -148,45 +233,43 @@ class ModelCache:
         return int(self.pos.shape[0])
 
     def select(self, rows: list[int] | torch.Tensor) -> "ModelCache":
-        """A new cache holding only the given batch rows (copies)."""
+        """A new cache holding only the given batch rows (bounded state copied; paged blocks shared by
+        reference, so `release` the old cache when done with it)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.pos.device)
         return ModelCache(
             pos=_select(self.pos, rows),
-            window=[WindowCache(_select(w.kv, rows), _select(w.pos, rows)) for w in self.window],
-            compressed={i: CompressedCache(**{f.name: _select(getattr(c, f.name), rows) for f in fields(c)})
-                        for i, c in self.compressed.items()},
+            window=[w.select(rows) for w in self.window],
+            compressed={i: c.select(rows) for i, c in self.compressed.items()},
             engram=self.engram.select(rows) if self.engram is not None else None,
             replay=None if self.replay is None else ReplayBuffer(
-                *(_select(getattr(self.replay, f.name), rows) for f in fields(self.replay))),
+                *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions))),
+            index_k_publisher=self.index_k_publisher,
         )
 
     @classmethod
     def concat(cls, caches: list["ModelCache"]) -> "ModelCache":
-        """Join caches along the batch (compressed capacity padded to the longest)."""
+        """Join caches along the batch (new references to paged blocks: release the parts afterwards)."""
         if any(c.replay is not None for c in caches):
             raise ValueError("caches with a pending bounded-replay prefill cannot be batched; finish the prefill")
         first = caches[0]
         return cls(
             pos=torch.cat([c.pos for c in caches]),
-            window=[WindowCache(torch.cat([c.window[i].kv for c in caches]),
-                                torch.cat([c.window[i].pos for c in caches])) for i in range(len(first.window))],
-            compressed={i: CompressedCache(
-                kv=_pad_cat([c.compressed[i].kv for c in caches], 1, 0.0),
-                index_k=_pad_cat([c.compressed[i].index_k for c in caches], 1, 0.0),
-                length=torch.cat([c.compressed[i].length for c in caches]),
-                partial_kv=torch.cat([c.compressed[i].partial_kv for c in caches]),
-                partial_score=torch.cat([c.compressed[i].partial_score for c in caches]),
-            ) for i in first.compressed},
+            window=[type(first.window[i]).concat([c.window[i] for c in caches]) for i in range(len(first.window))],
+            compressed={i: type(first.compressed[i]).concat([c.compressed[i] for c in caches])
+                        for i in first.compressed},
             engram=_concat_history([c.engram for c in caches]),
+            index_k_publisher=first.index_k_publisher,
         )
 
-    def nbytes(self) -> int:
-        """Bytes held (storage as allocated here, fp32 unless the engine packs real formats)."""
-        total = self.pos.numel() * 8
-        for w in self.window:
-            total += w.kv.numel() * w.kv.element_size() + w.pos.numel() * 8
+    def release(self) -> None:
+        """Give back the shared storage (paged compressed blocks); idempotent."""
         for c in self.compressed.values():
-            for f in fields(c):
-                t = getattr(c, f.name)
-                total += t.numel() * t.element_size()
+            c.release()
+
+    def nbytes(self) -> int:
+        """Bytes held: positions, window rings, compressed stores (paged blocks counted in full), replay buffer."""
+        total = _nbytes(self.pos) + sum(w.nbytes() for w in self.window)
+        total += sum(c.nbytes() for c in self.compressed.values())
+        if self.replay is not None:
+            total += _nbytes(self.replay.residual, self.replay.pre_mix, self.replay.positions)
         return total
