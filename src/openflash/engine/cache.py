@@ -30,7 +30,7 @@ from openflash import formats
 from openflash.config import FlashConfig, LayerMode
 from openflash.errors import OpenflashError
 from openflash.memory.hashing import EngramHashState
-from openflash.model.cache import ModelCache, WindowCache
+from openflash.model.cache import InputHistory, ModelCache, WindowCache, concat_inputs, rollback_compressed
 
 KV_STORAGES = ("fp32", "packed")
 _E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
@@ -238,17 +238,19 @@ class PagedCompressedCache:
     """
 
     def __init__(self, pool: BlockPool, table: torch.Tensor, length: torch.Tensor, partial_kv: torch.Tensor,
-                 partial_score: torch.Tensor) -> None:
+                 partial_score: torch.Tensor, inputs: InputHistory | None = None) -> None:
         self.pool, self.table = pool, table  # table: long [B, nb], 0 = no block
         self.length, self.partial_kv, self.partial_score = length, partial_kv, partial_score
+        self.inputs = inputs  # with rollback room: the compressor inputs of the last ratio + spare tokens
 
     @classmethod
     def empty(cls, pool: BlockPool, batch_size: int, ratio: int, head_dim: int,
-              device: torch.device | str = "cpu") -> "PagedCompressedCache":
+              device: torch.device | str = "cpu", spare: int = 0) -> "PagedCompressedCache":
         return cls(pool, torch.zeros(batch_size, 0, dtype=torch.long),
                    torch.zeros(batch_size, dtype=torch.long, device=device),
                    torch.zeros(batch_size, ratio, head_dim, device=device),
-                   torch.full((batch_size, ratio, head_dim), float("-inf"), device=device))
+                   torch.full((batch_size, ratio, head_dim), float("-inf"), device=device),
+                   InputHistory.empty(batch_size, ratio + spare, head_dim, device) if spare and ratio > 1 else None)
 
     @property
     def batch_size(self) -> int:
@@ -284,6 +286,14 @@ class PagedCompressedCache:
         kv, index_k = self.pool.gather(table.to(self.pool.device))
         return kv[:, :n], index_k[:, :n]
 
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        if self.inputs is not None:
+            self.inputs.write(positions, kv, score)
+
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        """Entries past the rollback point become invisible (their blocks stay with the row and are rewritten)."""
+        rollback_compressed(self, self.partial_kv.shape[1], to_pos)
+
     # ---- block bookkeeping ----------------------------------------------------------------------------------
     def _ensure_blocks(self, rows: torch.Tensor, slot: torch.Tensor) -> None:
         have = (self.table > 0).sum(dim=1).tolist()
@@ -313,7 +323,8 @@ class PagedCompressedCache:
         dev = self.length.device
         rows = rows.to(dev)
         return PagedCompressedCache(self.pool, table, self.length.index_select(0, rows),
-                                    self.partial_kv.index_select(0, rows), self.partial_score.index_select(0, rows))
+                                    self.partial_kv.index_select(0, rows), self.partial_score.index_select(0, rows),
+                                    None if self.inputs is None else self.inputs.select(rows))
 
     @classmethod
     def concat(cls, caches: list["PagedCompressedCache"]) -> "PagedCompressedCache":
@@ -324,7 +335,8 @@ class PagedCompressedCache:
         pool.incref(table.flatten())
         return PagedCompressedCache(pool, table, torch.cat([c.length for c in caches]),
                                     torch.cat([c.partial_kv for c in caches]),
-                                    torch.cat([c.partial_score for c in caches]))
+                                    torch.cat([c.partial_score for c in caches]),
+                                    concat_inputs([c.inputs for c in caches]))
 
     def release(self) -> None:
         """Drop this cache's block references (idempotent)."""
@@ -335,7 +347,7 @@ class PagedCompressedCache:
         """Bytes of the blocks this cache references (shared blocks counted in full) plus its dense state."""
         blocks = int((self.table > 0).sum())
         dense = sum(t.numel() * t.element_size() for t in (self.length, self.partial_kv, self.partial_score))
-        return blocks * self.pool.block_bytes + dense
+        return blocks * self.pool.block_bytes + dense + (self.inputs.nbytes() if self.inputs is not None else 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -385,6 +397,9 @@ class PackedWindowCache:
     def clone(self) -> "PackedWindowCache":
         return PackedWindowCache(self.codes.clone(), self.scales.clone(), self.pos.clone())
 
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.pos))
 
@@ -411,22 +426,23 @@ class CacheFactory:
     def owner_ratios(self) -> dict[int, int]:
         return {t.index: t.compress_ratio for t in self.cfg.topology.layers if t.mode == LayerMode.FULL}
 
-    def empty(self, batch_size: int = 1) -> ModelCache:
+    def empty(self, batch_size: int = 1, spare: int = 0) -> ModelCache:
+        """A cache of `batch_size` empty sequences; `spare`: how many latest tokens `rollback` can undo."""
         cfg = self.cfg
+        ring = cfg.sliding_window + spare
         if self.window_storage == "packed":
-            window = [PackedWindowCache.empty(batch_size, cfg.sliding_window, cfg.head_dim, self.device)
+            window = [PackedWindowCache.empty(batch_size, ring, cfg.head_dim, self.device)
                       for _ in cfg.topology.layers]
         else:
-            window = [WindowCache(torch.zeros(batch_size, cfg.sliding_window, cfg.head_dim, device=self.device),
-                                  torch.full((batch_size, cfg.sliding_window), -1, dtype=torch.long,
-                                             device=self.device))
+            window = [WindowCache(torch.zeros(batch_size, ring, cfg.head_dim, device=self.device),
+                                  torch.full((batch_size, ring), -1, dtype=torch.long, device=self.device))
                       for _ in cfg.topology.layers]
-        compressed = {i: PagedCompressedCache.empty(self.pool, batch_size, r, cfg.head_dim, self.device)
+        compressed = {i: PagedCompressedCache.empty(self.pool, batch_size, r, cfg.head_dim, self.device, spare)
                       for i, r in self.owner_ratios().items()}
-        engram = EngramHashState.empty(batch_size, cfg.engram_max_ngram_size - 1, device=self.device) \
+        engram = EngramHashState.empty(batch_size, cfg.engram_max_ngram_size - 1 + spare, device=self.device) \
             if cfg.engram_layer_ids else None
         return ModelCache(pos=torch.zeros(batch_size, dtype=torch.long, device=self.device), window=window,
-                          compressed=compressed, engram=engram)
+                          compressed=compressed, engram=engram, spare=spare)
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def global_bytes_per_token(self) -> float:

@@ -240,6 +240,14 @@ class EngramHashState:
             h = torch.cat([fill, h], dim=1)
         return h
 
+    def rollback(self, drop: torch.Tensor) -> None:
+        """Forget the last drop[b] ids of row b (what was before them counts again, DEAD where none was kept); a
+        state made with history_len = max_ngram - 1 + spare keeps the room to undo `spare` tokens exactly."""
+        width = self.history.shape[1]
+        source = torch.arange(width, device=self.history.device) - drop.to(self.history.device).unsqueeze(1)
+        shifted = self.history.gather(1, source.clamp(min=0))
+        self.history = torch.where(source >= 0, shifted, torch.full_like(shifted, DEAD))
+
     def select(self, rows: torch.Tensor | list[int]) -> "EngramHashState":
         """The states of some batch rows, in the given order (for regrouping a batch)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.history.device)
@@ -353,5 +361,11 @@ class NgramHasher:
         v = torch.stack(ngram_hashes, dim=-1)  # [B, S, L, N-1], all non-negative
         rows = torch.remainder(v.unsqueeze(-1), primes) + offsets  # [B, S, L, N-1, heads]
         rows = rows.reshape(B, S, len(layout.layer_ids), layout.num_columns)
-        new_state = EngramHashState(full[:, S:].clone()) if lengths is None else state.extend(ids, H, lengths)
+        if lengths is not None:
+            new_state = state.extend(ids, H, lengths)
+        elif state.history.shape[1] > H:  # a longer history (rollback room) keeps its width
+            keep = state.history.shape[1]
+            new_state = EngramHashState(torch.cat([state.history.to(device), ids], dim=1)[:, -keep:].clone())
+        else:
+            new_state = EngramHashState(full[:, S:].clone())
         return rows, new_state

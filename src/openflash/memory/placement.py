@@ -50,13 +50,14 @@ from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.checkpoint_tables import read_engram_spec
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import EngramHashState
-from openflash.model.engram import EngramRows
 from openflash.memory.prefetch import EngramPrefetcher, Prefetch
 from openflash.memory.rows import EngramTable
 from openflash.memory.tables import PLACEMENTS, open_tables
 from openflash.memory.tiers.disk import DiskTable
 from openflash.memory.tiers.sharded import ShardedTable
+from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
+
 
 class HashedSequences(Protocol):
     """What this memory reads and advances of a model cache: its batch size and the Engram hash history."""
@@ -65,6 +66,7 @@ class HashedSequences(Protocol):
     def batch_size(self) -> int: ...
 
     engram: EngramHashState | None
+    spare: int  # tokens a rollback may undo: the hash history keeps that many more ids
 
 
 @dataclass
@@ -255,8 +257,8 @@ class EngramMemory:
         start = time.perf_counter()
         if cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]} rows")
-        before = cache.engram if cache.engram is not None else \
-            self.frontend.hasher.empty_state(input_ids.shape[0], input_ids.device)
+        before = cache.engram if cache.engram is not None else EngramHashState.empty(
+            input_ids.shape[0], self.frontend.hasher.history_len + cache.spare, input_ids.device)
         hash_ids, cache.engram = self._hash(input_ids, before, image_mask)
         self._stats.steps += 1
         if speculation is not None:
@@ -287,7 +289,7 @@ class EngramMemory:
             return None
         device = self.model.device
         history = self.model.cfg.engram_max_ngram_size - 1
-        state = self.frontend.hasher.empty_state(1, device)
+        state = EngramHashState.empty(1, history + cache.spare, device)
         before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=device)
         if before.shape[1]:
             _, state = self._hash(before, state, None)

@@ -53,6 +53,8 @@ class Compressor(nn.Module, NumericsMixin):
             latent = self.norm(self.wkv(x))
             return latent, positions, torch.ones_like(positions, dtype=torch.bool)
         kv, score = self.wkv(x.float()), self.wgate(x.float())
+        if state is not None:
+            state.remember_inputs(positions, kv, score)  # kept only with rollback room (ModelCache.spare)
         start = positions[:, 0]
         shift = start % r if state is not None else torch.zeros_like(start)
         fill = shift + S

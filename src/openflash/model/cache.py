@@ -33,6 +33,9 @@ class RowHistory(Protocol):
     @classmethod
     def concat(cls, states: list[Any]) -> "RowHistory": ...
 
+    def rollback(self, drop: torch.Tensor) -> None:
+        """Forget the last drop[b] tokens of row b."""
+
 
 class WindowStore(Protocol):
     """A sliding-window KV ring of B sequences: slot = position % W; `pos` -1 marks an empty slot."""
@@ -51,6 +54,9 @@ class WindowStore(Protocol):
     def concat(cls, stores: list[Any]) -> "WindowStore": ...
 
     def clone(self) -> "WindowStore": ...
+
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        """Forget the slots of positions >= to_pos[b] (the ring keeps `spare` extra slots for this)."""
 
     def nbytes(self) -> int: ...
 
@@ -73,10 +79,84 @@ class CompressedStore(Protocol):
     @classmethod
     def concat(cls, stores: list[Any]) -> "CompressedStore": ...
 
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Keep the compressor's raw inputs of the last tokens (only with spare rollback room), so that a rollback
+        can reopen a group that has since completed."""
+
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        """Return to the state after to_pos[b] tokens: fewer entries, the open group rebuilt."""
+
     def release(self) -> None:
         """Give back shared storage (paged blocks); a dense store holds none."""
 
     def nbytes(self) -> int: ...
+
+
+@dataclass
+class InputHistory:
+    """The compressor's raw inputs (kv and gate score) of the last `capacity` positions, slot = position %
+    capacity: what a rollback needs to reopen a compressed group that completed after the rollback point."""
+
+    kv: torch.Tensor  # [B, capacity, head_dim]
+    score: torch.Tensor  # [B, capacity, head_dim]
+    pos: torch.Tensor  # [B, capacity] position held by each slot, -1 = empty
+
+    @classmethod
+    def empty(cls, batch_size: int, capacity: int, dim: int, device: torch.device | str = "cpu") -> "InputHistory":
+        return cls(torch.zeros(batch_size, capacity, dim, device=device),
+                   torch.full((batch_size, capacity, dim), float("-inf"), device=device),
+                   torch.full((batch_size, capacity), -1, dtype=torch.long, device=device))
+
+    def write(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        cap = self.pos.shape[1]
+        keep = positions > positions.amax(dim=1, keepdim=True) - cap  # only the last `cap` of a chunk survive
+        b_idx, s_idx = keep.nonzero(as_tuple=True)
+        slots = positions[b_idx, s_idx] % cap
+        self.kv[b_idx, slots] = kv[b_idx, s_idx].detach().float()
+        self.score[b_idx, slots] = score[b_idx, s_idx].detach().float()
+        self.pos[b_idx, slots] = positions[b_idx, s_idx]
+
+    def open_group(self, to_pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial_kv, partial_score) [B, ratio, D] of the group open after to_pos[b] tokens."""
+        start = torch.div(to_pos, ratio, rounding_mode="floor") * ratio
+        want = start.unsqueeze(1) + torch.arange(ratio, device=to_pos.device)  # [B, ratio] positions
+        held = want < to_pos.unsqueeze(1)
+        slots = want % self.pos.shape[1]
+        rows = torch.arange(want.shape[0], device=to_pos.device).unsqueeze(1)
+        if bool((held & (self.pos[rows, slots] != want)).any()):
+            raise ValueError("rollback reaches back further than the compressor inputs kept (spare too small)")
+        kv = torch.where(held.unsqueeze(-1), self.kv[rows, slots], 0.0)
+        score = torch.where(held.unsqueeze(-1), self.score[rows, slots], float("-inf"))
+        self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
+        return kv, score
+
+    def select(self, rows: torch.Tensor) -> "InputHistory":
+        return InputHistory(_select(self.kv, rows), _select(self.score, rows), _select(self.pos, rows))
+
+    @classmethod
+    def concat(cls, parts: list["InputHistory"]) -> "InputHistory":
+        return cls(torch.cat([p.kv for p in parts]), torch.cat([p.score for p in parts]),
+                   torch.cat([p.pos for p in parts]))
+
+    def nbytes(self) -> int:
+        return _nbytes(self.kv, self.score, self.pos)
+
+
+def concat_inputs(parts: list[InputHistory | None]) -> InputHistory | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("caches to batch must all have the same rollback room (spare)")
+    return InputHistory.concat(parts)
+
+
+def rollback_compressed(store: Any, ratio: int, to_pos: torch.Tensor) -> None:
+    """The rollback every compressed store shares: entries of incomplete groups dropped, the open group rebuilt."""
+    store.length = torch.minimum(store.length, torch.div(to_pos, ratio, rounding_mode="floor"))
+    if ratio > 1:
+        if store.inputs is None:
+            raise ValueError("this cache keeps no compressor inputs: create it with spare > 0 to roll back")
+        store.partial_kv, store.partial_score = store.inputs.open_group(to_pos, ratio)
 
 
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -124,6 +204,9 @@ class WindowCache:
     def clone(self) -> "WindowCache":
         return WindowCache(self.kv.clone(), self.pos.clone())
 
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
+
     def nbytes(self) -> int:
         return _nbytes(self.kv, self.pos)
 
@@ -135,6 +218,7 @@ class CompressedCache:
     length: torch.Tensor  # [B] entries written
     partial_kv: torch.Tensor  # [B, ratio, head_dim] compressor inputs of the open group (slot = position % ratio)
     partial_score: torch.Tensor  # [B, ratio, head_dim] their gate scores (-inf = empty)
+    inputs: InputHistory | None = None  # with rollback room: the compressor inputs of the last ratio + spare tokens
 
     def write(self, rows: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
         """Store compressed entries: batch row rows[i] gets entry id entries[i]."""
@@ -158,9 +242,17 @@ class CompressedCache:
         self.index_k = torch.cat(
             (self.index_k, self.index_k.new_zeros(self.index_k.shape[0], grow, self.index_k.shape[2])), dim=1)
 
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        if self.inputs is not None:
+            self.inputs.write(positions, kv, score)
+
+    def rollback(self, to_pos: torch.Tensor) -> None:
+        rollback_compressed(self, self.partial_kv.shape[1], to_pos)
+
     def select(self, rows: torch.Tensor) -> "CompressedCache":
         return CompressedCache(*(_select(t, rows) for t in (self.kv, self.index_k, self.length, self.partial_kv,
-                                                              self.partial_score)))
+                                                              self.partial_score)),
+                               inputs=None if self.inputs is None else self.inputs.select(rows))
 
     @classmethod
     def concat(cls, stores: list["CompressedCache"]) -> "CompressedCache":
@@ -168,13 +260,15 @@ class CompressedCache:
         return cls(kv=_pad_cat([c.kv for c in stores], 1, 0.0), index_k=_pad_cat([c.index_k for c in stores], 1, 0.0),
                    length=torch.cat([c.length for c in stores]),
                    partial_kv=torch.cat([c.partial_kv for c in stores]),
-                   partial_score=torch.cat([c.partial_score for c in stores]))
+                   partial_score=torch.cat([c.partial_score for c in stores]),
+                   inputs=concat_inputs([c.inputs for c in stores]))
 
     def release(self) -> None:
         pass  # dense tensors are freed with the object
 
     def nbytes(self) -> int:
-        return _nbytes(self.kv, self.index_k, self.length, self.partial_kv, self.partial_score)
+        held = _nbytes(self.kv, self.index_k, self.length, self.partial_kv, self.partial_score)
+        return held + (self.inputs.nbytes() if self.inputs is not None else 0)
 
 
 @dataclass
@@ -205,12 +299,16 @@ class ModelCache:
     # The layer whose index keys were published last: only the `reference` numerics read it, to reproduce the
     # reference's stale-index-key quirk (docs/parity.md).
     index_k_publisher: int | None = None
+    # Rollback room: how many of the latest tokens `rollback` can undo (speculative decoding). Window rings keep
+    # that many extra slots (attention masks them by position, so they change nothing), and compressed stores keep
+    # the compressor inputs of the last ratio + spare tokens.
+    spare: int = 0
 
     @classmethod
     def empty(cls, cfg: FlashConfig, batch_size: int, device: torch.device | str = "cpu",
-              capacity: int = 0, dtype: torch.dtype = torch.float32) -> "ModelCache":
+              capacity: int = 0, dtype: torch.dtype = torch.float32, spare: int = 0) -> "ModelCache":
         topo = cfg.topology
-        w, d, dk = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+        w, d, dk = cfg.sliding_window + spare, cfg.head_dim, cfg.index_head_dim
         window = [WindowCache(torch.zeros(batch_size, w, d, dtype=dtype, device=device),
                               torch.full((batch_size, w), -1, dtype=torch.long, device=device))
                   for _ in topo.layers]
@@ -224,9 +322,11 @@ class ModelCache:
                     length=torch.zeros(batch_size, dtype=torch.long, device=device),
                     partial_kv=torch.zeros(batch_size, t.compress_ratio, d, dtype=torch.float32, device=device),
                     partial_score=torch.full((batch_size, t.compress_ratio, d), float("-inf"), device=device),
+                    inputs=InputHistory.empty(batch_size, t.compress_ratio + spare, d, device)
+                    if spare and t.compress_ratio > 1 else None,
                 )
         return cls(pos=torch.zeros(batch_size, dtype=torch.long, device=device), window=window,
-                   compressed=compressed, engram=None)
+                   compressed=compressed, engram=None, spare=spare)
 
     @property
     def batch_size(self) -> int:
@@ -243,7 +343,7 @@ class ModelCache:
             engram=self.engram.select(rows) if self.engram is not None else None,
             replay=None if self.replay is None else ReplayBuffer(
                 *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions))),
-            index_k_publisher=self.index_k_publisher,
+            index_k_publisher=self.index_k_publisher, spare=self.spare,
         )
 
     @classmethod
@@ -252,14 +352,35 @@ class ModelCache:
         if any(c.replay is not None for c in caches):
             raise ValueError("caches with a pending bounded-replay prefill cannot be batched; finish the prefill")
         first = caches[0]
+        if any(c.spare != first.spare for c in caches):
+            raise ValueError(f"caches to batch must have the same rollback room, got spare {[c.spare for c in caches]}")
         return cls(
             pos=torch.cat([c.pos for c in caches]),
             window=[type(first.window[i]).concat([c.window[i] for c in caches]) for i in range(len(first.window))],
             compressed={i: type(first.compressed[i]).concat([c.compressed[i] for c in caches])
                         for i in first.compressed},
             engram=_concat_history([c.engram for c in caches]),
-            index_k_publisher=first.index_k_publisher,
+            index_k_publisher=first.index_k_publisher, spare=first.spare,
         )
+
+    def rollback(self, to_pos: torch.Tensor | int) -> None:
+        """Undo the latest tokens: afterwards the cache is as if only to_pos[b] tokens of row b had been run (at
+        most `spare` tokens back). Window slots and compressed entries of the dropped positions are forgotten,
+        the compressor's open group is rebuilt from its kept inputs, and the Engram hash history is cut back."""
+        to_pos = torch.as_tensor(to_pos, dtype=torch.long, device=self.pos.device).expand_as(self.pos)
+        drop = self.pos - to_pos
+        if bool((drop < 0).any()) or int(drop.max()) > self.spare:
+            raise ValueError(f"cannot roll back from positions {self.pos.tolist()} to {to_pos.tolist()}: only the "
+                             f"last {self.spare} tokens can be undone (the cache's spare)")
+        if self.replay is not None:
+            raise ValueError("cannot roll back during a bounded-replay prefill; finish the prefill first")
+        for w in self.window:
+            w.rollback(to_pos)
+        for c in self.compressed.values():
+            c.rollback(to_pos)
+        if self.engram is not None:
+            self.engram.rollback(drop)
+        self.pos = to_pos.clone()
 
     def release(self) -> None:
         """Give back the shared storage (paged compressed blocks); idempotent."""
