@@ -14,6 +14,9 @@ and hand autograd one gradient per input instead of one per use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -22,14 +25,12 @@ from openflash.model.numerics import Numerics
 _RMS_EPS = 1e-20  # of the per-token RMS over all hc*D residual values
 
 
-def hc_coefficients(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                    hc: int, sinkhorn_iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]) from the residual, all fp32 (§4.2)."""
+def hc_projection(residual: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The RMS-scaled projection m [B, S, (2 + hc) * hc] of the residual that the coefficients come from (§4.2)."""
     x = residual.flatten(-2).float()
     # One RMS scalar per token over all hc*D values, applied after the projection (same math as before it).
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
-    m = F.linear(x, fn.float()) * r
-    return coefficients_from_projection(m, base, scale, hc, sinkhorn_iters, eps)
+    return F.linear(x, fn.float()) * r
 
 
 def coefficients_from_projection(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
@@ -72,6 +73,39 @@ def expand_and_mix(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     else:
         mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
     return numerics.round(post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed)
+
+
+# ---- the kernels of one numerics policy ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HcKernels:
+    """What a block does with its residual streams, one implementation per numerics policy, chosen once
+    (`hc_kernels`): `read` (residual, pre, fn) -> (projection m, collapsed input u); `coefficients` (m, base,
+    scale, hc, iters, eps) -> (pre, post, comb); `write` (y, residual, post, comb) -> new residual. Plain (fp32),
+    reference (bf16 rounding points, the reference's elementwise mix) and fused training (`HcIn`, `Sinkhorn`,
+    `HcOut` with hand-written backward passes) compute the same math."""
+
+    numerics: Numerics
+
+    def read(self, residual: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.numerics.fused_train_ops:
+            return HcIn.apply(residual, pre, fn)
+        return hc_projection(residual, fn), collapse(residual, pre, self.numerics)
+
+    def coefficients(self, m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return coefficients_from_projection(m, base, scale, hc, iters, eps, fused=self.numerics.fused_train_ops)
+
+    def write(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if self.numerics.fused_train_ops:
+            return HcOut.apply(y, residual, post, comb)
+        return expand_and_mix(y, residual, post, comb, self.numerics)
+
+
+@lru_cache(maxsize=None)
+def hc_kernels(numerics: Numerics) -> HcKernels:
+    """The mHC kernels of a numerics policy (one object per policy)."""
+    return HcKernels(numerics)
 
 
 # ---- fused training path -------------------------------------------------------------------------------------

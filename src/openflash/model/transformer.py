@@ -33,7 +33,7 @@ from openflash.model.context import CompressedView, Probe, StepContext
 from openflash.model.engram import Engram, EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
-from openflash.model.mhc import HcIn, HcOut, coefficients_from_projection, collapse, expand_and_mix, hc_coefficients
+from openflash.model.mhc import collapse, hc_kernels
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32, Numerics
 
@@ -73,34 +73,17 @@ class Block(nn.Module, NumericsMixin):
         if topo.engram_before:
             self.engram = Engram(cfg, cfg.engram_num_embeddings[topo.engram_slot])
 
-    def coefficients(self, residual: torch.Tensor, part: str):
-        return hc_coefficients(residual, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
-                               getattr(self, f"hc_{part}_scale"), self.hc, self.iters, self.eps)
-
     def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.numerics
-        if n.fused_train_ops:
-            return self._forward_fused(residual, pre_in, ctx, image_mask)
-        a_pre, a_post, a_comb = self.coefficients(residual, "attn")
-        u = self.attn_norm(collapse(residual, pre_in, n))  # pre_in: the previous sublayer's pre
-        r1 = expand_and_mix(self.attn(u, ctx), residual, a_post, a_comb, n)
-        f_pre, f_post, f_comb = self.coefficients(r1, "ffn")
-        v = self.ffn_norm(collapse(r1, a_pre, n))
-        r2 = expand_and_mix(self.ffn(v, ctx, image_mask), r1, f_post, f_comb, n)
-        return r2, f_pre
-
-    def _forward_fused(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
-                       image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same sublayers with the fused mHC ops (training; see mhc.py)."""
-        m, u = HcIn.apply(residual, pre_in, self.hc_attn_fn)
-        a_pre, a_post, a_comb = coefficients_from_projection(m, self.hc_attn_base, self.hc_attn_scale, self.hc,
-                                                             self.iters, self.eps, fused=True)
-        r1 = HcOut.apply(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
-        m, v = HcIn.apply(r1, a_pre, self.hc_ffn_fn)
-        f_pre, f_post, f_comb = coefficients_from_projection(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc,
-                                                             self.iters, self.eps, fused=True)
-        r2 = HcOut.apply(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
+        """One path for every numerics: the policy's mHC kernels (model/mhc.py HcKernels) do the stream work."""
+        hc = hc_kernels(self.numerics)
+        m, u = hc.read(residual, pre_in, self.hc_attn_fn)  # pre_in: the previous sublayer's pre
+        a_pre, a_post, a_comb = hc.coefficients(m, self.hc_attn_base, self.hc_attn_scale, self.hc, self.iters,
+                                                self.eps)
+        r1 = hc.write(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
+        m, v = hc.read(r1, a_pre, self.hc_ffn_fn)
+        f_pre, f_post, f_comb = hc.coefficients(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc, self.iters, self.eps)
+        r2 = hc.write(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
         return r2, f_pre
 
 
