@@ -12,6 +12,8 @@ Queries attend to [window keys | selected compressed entries] with a per-head si
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from openflash.model.cache import CompressedCache
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
+from openflash.model.numerics import Numerics
 from openflash.model.rope import Rotary
 
 # Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
@@ -297,16 +300,6 @@ class Attention(nn.Module, NumericsMixin):
         kv = n.round(self.rotary.apply(self.kv_norm(self.wkv(x)), cos, sin))
         kv = n.window_kv(kv)
 
-        # Window keys: the ring of earlier tokens (if any) then this chunk; visible iff within `window` behind.
-        if ctx.cache is not None:
-            ring = ctx.cache.window[topo.index]
-            window_kv = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
-            window_pos = torch.cat((ring.pos, pos), dim=1)
-        else:
-            window_kv, window_pos = kv, pos
-        kp, qp = window_pos.unsqueeze(1), pos.unsqueeze(2)
-        window_mask = (kp >= 0) & (kp <= qp) & (kp > qp - self.window)
-
         index_scores = picks = view = None
         if topo.mode != LayerMode.WINDOW:
             if topo.mode == LayerMode.FULL and topo.index not in ctx.compressed:
@@ -326,31 +319,7 @@ class Attention(nn.Module, NumericsMixin):
                 picks = torch.arange(T, device=x.device).expand(B, S, T)
                 picks = torch.where(picks < n_vis.unsqueeze(-1), picks, torch.full_like(picks, -1))
 
-        layout = None
-        if n.bf16_boundaries and not ctx.dense_indexer:
-            ring = ctx.cache.window[topo.index].kv if ctx.cache is not None else None
-            layout = reference_window_layout(kv, pos, ring, self.window)
-        if layout is not None:
-            # Reference numerics: one KV list [window | compressed] and index list, in the reference's order.
-            kv_list, ids = layout
-            if picks is not None:
-                kv_list = torch.cat((kv_list, ctx.compressed[topo.kv_owner].kv.to(kv.dtype)), dim=1)
-                offset = layout[0].shape[1]
-                ids = torch.cat((ids, torch.where(picks >= 0, picks + offset, -1)), dim=-1)
-            o, p_selected = reference_sparse_attention(q, kv_list, ids, self.attn_sink.float(), self.scale), None
-        elif n.fused_train_ops and ctx.cache is None:
-            compressed_kv = view.kv if view is not None else kv.new_zeros(B, 0, self.head_dim)
-            o, p_selected = dense_sparse_attention(q, kv, self.window, compressed_kv, picks,
-                                                   self.attn_sink.float(), self.scale)
-        else:
-            selected_kv = kv.new_zeros(B, S, 0, self.head_dim)
-            selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
-            if picks is not None:
-                selected_mask = picks >= 0
-                rows = torch.arange(B, device=x.device).view(B, 1, 1)
-                selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
-            o, p_selected = sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask,
-                                             self.attn_sink.float(), self.scale, n.round)
+        o, p_selected = attention_kernels(n).attend(self, q, kv, ctx, view, picks)
         if index_scores is not None and self.training:
             ctx.indexer_losses.append(_indexer_kl(index_scores, picks, p_selected))
         if ctx.cache is not None:
@@ -360,11 +329,81 @@ class Attention(nn.Module, NumericsMixin):
         o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
         o = o.reshape(B, S, self.o_groups, -1)
         wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
-        if n.bf16_boundaries:  # the reference's bf16 einsum
-            t = torch.einsum("bsgd,grd->bsgr", o.to(torch.bfloat16), wo_a.to(torch.bfloat16)).float()
+        return self.wo_b(attention_kernels(n).grouped_output(o, wo_a).flatten(2))
+
+
+# ---- the attention kernels of each numerics policy (chosen once: attention_kernels) --------------------------
+
+class AttentionKernels:
+    """fp32 / plain: softmax over [sink | window keys | the selected compressed entries] (§5.10), then the
+    block-diagonal grouped low-rank output (§5.11)."""
+
+    def attend(self, attn: "Attention", q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
+               view: CompressedView | None, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output [B, S, H, D], probabilities of the selected entries for the indexer's KL, or None)."""
+        B, S = q.shape[:2]
+        pos = ctx.positions
+        # Window keys: the ring of earlier tokens (if any) then this chunk; visible iff within `window` behind.
+        if ctx.cache is not None:
+            ring = ctx.cache.window[attn.topo.index]
+            window_kv = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
+            window_pos = torch.cat((ring.pos, pos), dim=1)
         else:
-            t = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        return self.wo_b(t.flatten(2))
+            window_kv, window_pos = kv, pos
+        kp, qp = window_pos.unsqueeze(1), pos.unsqueeze(2)
+        window_mask = (kp >= 0) & (kp <= qp) & (kp > qp - attn.window)
+        selected_kv = kv.new_zeros(B, S, 0, attn.head_dim)
+        selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=q.device)
+        if picks is not None:
+            selected_mask = picks >= 0
+            rows = torch.arange(B, device=q.device).view(B, 1, 1)
+            selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
+        return sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, attn.attn_sink.float(),
+                                attn.scale, attn.numerics.round)
+
+    def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsgd,grd->bsgr", o, wo_a)
+
+
+class ReferenceAttentionKernels(AttentionKernels):
+    """The reference kernel's numerics: one KV list [window | compressed] and index list in the reference's order
+    (where its layout applies: not in the dense indexer warm-up), the bf16 output einsum."""
+
+    def attend(self, attn: "Attention", q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
+               view: CompressedView | None, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layout = None
+        if not ctx.dense_indexer:
+            ring = ctx.cache.window[attn.topo.index].kv if ctx.cache is not None else None
+            layout = reference_window_layout(kv, ctx.positions, ring, attn.window)
+        if layout is None:
+            return super().attend(attn, q, kv, ctx, view, picks)
+        kv_list, ids = layout
+        if picks is not None:
+            kv_list = torch.cat((kv_list, ctx.compressed[attn.topo.kv_owner].kv.to(kv.dtype)), dim=1)
+            offset = layout[0].shape[1]
+            ids = torch.cat((ids, torch.where(picks >= 0, picks + offset, -1)), dim=-1)
+        return reference_sparse_attention(q, kv_list, ids, attn.attn_sink.float(), attn.scale), None
+
+    def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsgd,grd->bsgr", o.to(torch.bfloat16), wo_a.to(torch.bfloat16)).float()
+
+
+class TrainAttentionKernels(AttentionKernels):
+    """Training on full sequences (no cache): block-wise dense attention with a hand-written backward."""
+
+    def attend(self, attn: "Attention", q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
+               view: CompressedView | None, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if ctx.cache is not None:
+            return super().attend(attn, q, kv, ctx, view, picks)
+        compressed_kv = view.kv if view is not None else kv.new_zeros(kv.shape[0], 0, attn.head_dim)
+        return dense_sparse_attention(q, kv, attn.window, compressed_kv, picks, attn.attn_sink.float(), attn.scale)
+
+
+@lru_cache(maxsize=None)
+def attention_kernels(numerics: Numerics) -> AttentionKernels:
+    if numerics.bf16_boundaries:
+        return ReferenceAttentionKernels()
+    return TrainAttentionKernels() if numerics.fused_train_ops else AttentionKernels()
 
 
 def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:

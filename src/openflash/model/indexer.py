@@ -13,6 +13,8 @@ pinned), and later REINDEX layers score only inside that pool.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,7 @@ from torch import nn
 from openflash.config import FlashConfig, LayerMode, LayerTopology
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
+from openflash.model.numerics import Numerics
 from openflash.model.rope import Rotary
 
 
@@ -66,6 +69,50 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     return block_mask.repeat_interleave(block_size, dim=-1)[..., :T]
 
 
+# ---- the score kernels of each numerics policy (chosen once: index_kernels) ------------------------------------
+
+class IndexKernels:
+    """fp32 / plain: the lightning indexer's score ReLU(q . k) weighted and summed over heads (§5.8 step 4), and
+    the top-k by `topk`."""
+
+    def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """q [B, S, H, D], index keys [B, T, D], head weights [B, S, H] -> scores [B, S, T]."""
+        logits = torch.einsum("bshd,btd->bsht", q, index_k.to(q.dtype))
+        return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
+
+    def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
+        return top_entries(scores, k, n_visible)
+
+
+class ReferenceIndexKernels(IndexKernels):
+    """The reference computes the score as bf16 tensor ops: logits, ReLU, weighting, head sum."""
+
+    def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        bf = torch.bfloat16
+        logits = torch.einsum("bshd,btd->bsht", q.to(bf), index_k.to(bf))
+        return (F.relu(logits) * w.to(bf).unsqueeze(-1)).sum(dim=2).float()
+
+
+class TrainIndexKernels(IndexKernels):
+    """Training speed, same math: the head sum as one batched product, the top-k by a selection without sort."""
+
+    def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        B, S = q.shape[:2]
+        logits = torch.einsum("bshd,btd->bsht", q, index_k.to(q.dtype))
+        T = logits.shape[-1]  # [1, H] weights times [H, T] ReLU'd logits per query
+        return torch.bmm(w.reshape(B * S, 1, -1), F.relu(logits).reshape(B * S, -1, T)).view(B, S, T)
+
+    def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
+        return top_entries_select(scores, k, n_visible)
+
+
+@lru_cache(maxsize=None)
+def index_kernels(numerics: Numerics) -> IndexKernels:
+    if numerics.bf16_boundaries:
+        return ReferenceIndexKernels()
+    return TrainIndexKernels() if numerics.fused_train_ops else IndexKernels()
+
+
 class Indexer(nn.Module, NumericsMixin):
     def __init__(self, cfg: FlashConfig, topo: LayerTopology, rotary: Rotary) -> None:
         super().__init__()
@@ -98,19 +145,7 @@ class Indexer(nn.Module, NumericsMixin):
         cos, sin = self.rotary.angles(ctx.positions)
         q = n.index_fp4(n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2))))
         w = n.round(self.weights_proj(x) * self.weight_scale)
-        if n.bf16_boundaries:
-            # The reference computes these as bf16 tensor ops: logits, ReLU, weighting, head sum (§5.8 step 4).
-            bf = torch.bfloat16
-            logits = torch.einsum("bshd,btd->bsht", q.to(bf), view.index_k.to(bf))
-            score = (F.relu(logits) * w.to(bf).unsqueeze(-1)).sum(dim=2).float()
-        elif n.fused_train_ops:
-            # The head sum as one batched product: [1, H] weights times [H, T] ReLU'd logits per query.
-            logits = torch.einsum("bshd,btd->bsht", q, view.index_k.to(q.dtype))
-            T_ = logits.shape[-1]
-            score = torch.bmm(w.reshape(B * S, 1, -1), F.relu(logits).reshape(B * S, -1, T_)).view(B, S, T_)
-        else:
-            logits = torch.einsum("bshd,btd->bsht", q, view.index_k.to(q.dtype))
-            score = (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
+        score = index_kernels(n).scores(q, view.index_k, w)
         T = view.kv.shape[1]
         n_visible = torch.minimum(visible_entries(ctx.positions, self.topo.compress_ratio), view.length.unsqueeze(1))
         visible = torch.arange(T, device=x.device) < n_visible.unsqueeze(-1)
@@ -132,8 +167,7 @@ class Indexer(nn.Module, NumericsMixin):
         if self.topo.uses_candidates and ctx.candidates is not None:
             score = score.masked_fill(~ctx.candidates, float("-inf"))
         k = min(self.topk, score.shape[-1])
-        select = top_entries_select if self.numerics.fused_train_ops else top_entries
-        picks = select(score, k, n_visible)
+        picks = index_kernels(self.numerics).top_entries(score, k, n_visible)
         ctx.put(f"indexer{self.topo.index}.scores", score)
         ctx.put(f"indexer{self.topo.index}.topk", picks)
         ctx.topk[self.topo.index] = picks

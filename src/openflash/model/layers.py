@@ -11,6 +11,8 @@ Inputs to quantized weights are FP8-quantized per 32 channels first, as the refe
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,11 +36,7 @@ class RMSNorm(nn.Module, NumericsMixin):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.numerics.fused_train_ops:
-            return _RMSNormFunction.apply(x.float(), self.weight, self.eps)
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return self.numerics.round(y)
+        return layer_kernels(self.numerics).rmsnorm(self, x)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -105,16 +103,7 @@ class Linear(nn.Module, NumericsMixin):
         return self._dequant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.numerics.bf16_boundaries:
-            if self.quantized:
-                return self.numerics.round(self._block_scaled_gemm(x))
-            if not self.exact_fp32:  # the reference's bf16 GEMM, summation order included
-                return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()
-        w = self.dequantized_weight()
-        if self.quantized and self.numerics.act_quant:
-            x = formats.act_quant_qdq(x)
-        y = F.linear(x.to(w.dtype), w)
-        return y if self.exact_fp32 else self.numerics.round(y)
+        return layer_kernels(self.numerics).linear(self, x)
 
     def _block_scaled_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The reference GEMM's summation order (quant_and_cache.md §3): per K block of 32, an exact fp32 partial
@@ -135,3 +124,48 @@ class Linear(nn.Module, NumericsMixin):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, storage={self.storage}"
+
+
+# ---- the kernels of each numerics policy (chosen once: layer_kernels) -------------------------------------------
+
+class LayerKernels:
+    """fp32 / plain: RMSNorm in fp32; a Linear on its dequantized weight, FP8 activations into quantized weights
+    where the policy quantizes them (`act_quant`), outputs rounded at the policy's points."""
+
+    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+        return norm.numerics.round(y)
+
+    def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        w = layer.dequantized_weight()
+        if layer.quantized and layer.numerics.act_quant:
+            x = formats.act_quant_qdq(x)
+        y = F.linear(x.to(w.dtype), w)
+        return y if layer.exact_fp32 else layer.numerics.round(y)
+
+
+class ReferenceLayerKernels(LayerKernels):
+    """The reference's GEMMs: block-scaled FP8/FP4 in its K order, bf16 for bf16 weights (summation order
+    included); fp32 weights (head, ratio-2 compressor) stay exact fp32."""
+
+    def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.quantized:
+            return layer.numerics.round(layer._block_scaled_gemm(x))
+        if not layer.exact_fp32:
+            return F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16)).float()
+        return super().linear(layer, x)
+
+
+class TrainLayerKernels(LayerKernels):
+    """Training: RMSNorm with a direct backward."""
+
+    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x.float(), norm.weight, norm.eps)
+
+
+@lru_cache(maxsize=None)
+def layer_kernels(numerics: Numerics) -> LayerKernels:
+    if numerics.bf16_boundaries:
+        return ReferenceLayerKernels()
+    return TrainLayerKernels() if numerics.fused_train_ops else LayerKernels()

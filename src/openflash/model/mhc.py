@@ -68,10 +68,14 @@ def collapse(residual: torch.Tensor, pre: torch.Tensor, numerics: Numerics) -> t
 def expand_and_mix(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                    numerics: Numerics) -> torch.Tensor:
     """R_new[k] = post[k] * y + sum_j comb[j, k] * R[j]: comb transposed onto the streams (§4.3)."""
-    if numerics.bf16_boundaries:  # the reference's elementwise form, summing the 4 sources in order
-        mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=2)
-    else:
-        mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
+    return numerics.round(post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed)
+
+
+def expand_and_mix_elementwise(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                               numerics: Numerics) -> torch.Tensor:
+    """expand_and_mix in the reference's elementwise form, summing the sources in order (its rounding)."""
+    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=2)
     return numerics.round(post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed)
 
 
@@ -85,27 +89,46 @@ class HcKernels:
     reference (bf16 rounding points, the reference's elementwise mix) and fused training (`HcIn`, `Sinkhorn`,
     `HcOut` with hand-written backward passes) compute the same math."""
 
-    numerics: Numerics
+    numerics: Numerics  # its rounding points (reference: bf16) and its mixing form
 
     def read(self, residual: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.numerics.fused_train_ops:
-            return HcIn.apply(residual, pre, fn)
         return hc_projection(residual, fn), collapse(residual, pre, self.numerics)
 
     def coefficients(self, m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return coefficients_from_projection(m, base, scale, hc, iters, eps, fused=self.numerics.fused_train_ops)
+        return coefficients_from_projection(m, base, scale, hc, iters, eps)
 
     def write(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        if self.numerics.fused_train_ops:
-            return HcOut.apply(y, residual, post, comb)
         return expand_and_mix(y, residual, post, comb, self.numerics)
+
+
+class ReferenceHcKernels(HcKernels):
+    """The reference's rounding points (through `numerics`) and its elementwise stream mix."""
+
+    def write(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return expand_and_mix_elementwise(y, residual, post, comb, self.numerics)
+
+
+class TrainHcKernels(HcKernels):
+    """Training: one pass over the streams each way, autograd functions with hand-written backward passes."""
+
+    def read(self, residual: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return HcIn.apply(residual, pre, fn)
+
+    def coefficients(self, m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return coefficients_from_projection(m, base, scale, hc, iters, eps, fused=True)
+
+    def write(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return HcOut.apply(y, residual, post, comb)
 
 
 @lru_cache(maxsize=None)
 def hc_kernels(numerics: Numerics) -> HcKernels:
     """The mHC kernels of a numerics policy (one object per policy)."""
-    return HcKernels(numerics)
+    if numerics.bf16_boundaries:
+        return ReferenceHcKernels(numerics)
+    return TrainHcKernels(numerics) if numerics.fused_train_ops else HcKernels(numerics)
 
 
 # ---- fused training path -------------------------------------------------------------------------------------

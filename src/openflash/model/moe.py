@@ -8,6 +8,8 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from torch import nn
 from openflash.config import FlashConfig
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
+from openflash.model.numerics import Numerics
 
 
 class Gate(nn.Module):
@@ -55,10 +58,10 @@ class Expert(nn.Module, NumericsMixin):
         self.limit = limit
 
     def forward(self, v: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        if self.numerics.fused_train_ops and not self.w1.quantized:
-            # One matmul for both input projections (twice as wide: better use of the GEMM on few tokens).
-            gate, up = F.linear(v, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, dim=-1)
-            return self.w2(_SwiGLU.apply(gate, up, weight, self.limit))
+        return moe_kernels(self.numerics).expert(self, v, weight)
+
+    def swiglu(self, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """w2(silu(clamp(w1 v)) * clamp(w3 v) * weight), the activation rounded at the policy's points."""
         gate = self.w1(v).float().clamp(max=self.limit)
         up = self.w3(v).float().clamp(-self.limit, self.limit)
         act = F.silu(gate) * up
@@ -118,16 +121,18 @@ class MoE(nn.Module, NumericsMixin):
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
-        if self.numerics.fused_train_ops:
-            return self._routed_sorted(x, weights, ids, counts).view(shape)
-        # Grouped by expert: one call per expert that received tokens, no per-token loop.
+        return moe_kernels(self.numerics).experts(self, x, weights, ids, counts).view(shape)
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """Grouped by expert: one call per expert that received tokens, no per-token loop; plus the shared one."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in counts.nonzero().flatten().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
             y[token] += self.experts[e](x[token], weights[token, slot]).float()
         y = y + self.shared_experts(x).float()
-        return self.numerics.round(y).view(shape)
+        return self.numerics.round(y)
 
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        counts: torch.Tensor) -> torch.Tensor:
@@ -143,3 +148,36 @@ class MoE(nn.Module, NumericsMixin):
                 if sizes[e]]
         y = self.shared_experts(x).float().index_add(0, token, torch.cat(outs).float())
         return self.numerics.round(y)
+
+
+# ---- the kernels of each numerics policy (chosen once: moe_kernels) ---------------------------------------------
+
+class MoeKernels:
+    """Inference (fp32, plain, reference): experts grouped by expert, SwiGLU as written."""
+
+    def expert(self, expert: Expert, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return expert.swiglu(v, weight)
+
+    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        return moe._routed_grouped(x, weights, ids, counts)
+
+
+class TrainMoeKernels(MoeKernels):
+    """Training, same math: one matmul for both input projections of a float expert (twice as wide: better use
+    of the GEMM on few tokens) with a fused SwiGLU backward; routed pairs sorted by expert."""
+
+    def expert(self, expert: Expert, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if expert.w1.quantized:
+            return expert.swiglu(v, weight)
+        gate, up = F.linear(v, torch.cat((expert.w1.weight, expert.w3.weight))).chunk(2, dim=-1)
+        return expert.w2(_SwiGLU.apply(gate, up, weight, expert.limit))
+
+    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        return moe._routed_sorted(x, weights, ids, counts)
+
+
+@lru_cache(maxsize=None)
+def moe_kernels(numerics: Numerics) -> MoeKernels:
+    return TrainMoeKernels() if numerics.fused_train_ops else MoeKernels()

@@ -10,6 +10,11 @@ which of the reference's rounding points to reproduce:
   (top-k, routing) match the official code exactly; used by `openflash parity`.
 - `train`: fp32 with the cache QDQs applied through a straight-through estimator, so gradients flow, and the
   fused training ops (`fused_train_ops`).
+
+The flags decide where QDQ and rounding happen; where the computation itself differs per policy, each mechanism
+holds one kernel set per policy, chosen once from these flags and cached (`hc_kernels` in mhc.py,
+`attention_kernels`, `index_kernels`, `layer_kernels`, `moe_kernels`), so every forward reads as one path and a
+compiled backend can slot in as one more kernel set.
 """
 
 from __future__ import annotations
