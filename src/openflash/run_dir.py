@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
 
+from openflash.atomic import write_json_atomic, write_text_atomic
 from openflash.errors import OpenflashError
 from openflash.shards import INDEX_FILE, SINGLE_FILE
 
@@ -105,3 +107,72 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+@dataclass
+class RunFolder:
+    """The files of one training run: where it resumes from, its arguments, its metrics log and its checkpoints
+    (written by rank 0 only: `is_main`)."""
+
+    path: Path
+    is_main: bool = True
+
+    def resume_point(self, resume: bool) -> Path | None:
+        """The checkpoint to continue from (None: a new run), after clearing saves that did not finish."""
+        if self.is_main:
+            remove_partial_checkpoints(self.path)
+        latest = latest_checkpoint(self.path)
+        if resume and latest is None:
+            raise OpenflashError(f"--resume: no checkpoint in {self.path / CHECKPOINTS_DIR} (start without "
+                                 f"--resume to begin a new run)")
+        if not resume and latest is not None:
+            raise OpenflashError(f"{self.path} already holds checkpoints (latest {latest.name}); pass --resume to "
+                                 f"continue it, or choose a new --out folder")
+        return latest if resume else None
+
+    def check_resume_args(self, args: dict[str, Any], fixed: tuple[str, ...]) -> None:
+        """A resumed run must share the `fixed` arguments with the run it continues."""
+        path = self.path / ARGS_FILE
+        if not path.is_file():
+            return
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OpenflashError(f"{path}: unreadable ({exc})") from exc
+        diffs = [f"{k} (run: {recorded.get(k)!r}, now: {args.get(k)!r})" for k in fixed if recorded.get(k) != args.get(k)]
+        if diffs:
+            raise OpenflashError(f"--resume with different arguments than the run in {self.path}: {'; '.join(diffs)}")
+
+    def start(self, config_json: str | None, step: int, args: dict[str, Any], event: dict[str, Any]) -> None:
+        """Begin (config_json: the model config to record) or resume (None: drop metric lines past `step`)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        metrics = self.path / METRICS_FILE
+        if config_json is not None:
+            write_text_atomic(self.path / "config.json", config_json)
+            metrics.write_text("")
+        else:
+            truncate_metrics(metrics, step)
+        write_json_atomic(self.path / ARGS_FILE, args)
+        self.append_metrics(event)
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.path / METRICS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def save(self, step: int, write: Callable[[Path], None], keep: int) -> Path:
+        """Checkpoint `step`: `write(folder)` fills a temporary folder, which then appears by one rename; only the
+        newest `keep` checkpoints stay."""
+        root = self.path / CHECKPOINTS_DIR
+        final = root / f"step_{step:08d}"
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write(tmp)
+        if final.exists():  # a stale copy of this step (e.g. from a run that was resumed earlier)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(self.path)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final

@@ -28,11 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
-import signal
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +37,6 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from openflash.atomic import write_json_atomic
 from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
@@ -49,12 +44,11 @@ from openflash.manifest import write_manifest
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
-from openflash.run_dir import (ARGS_FILE, CHECKPOINTS_DIR, METRICS_FILE, STATE_FILE, checkpoint_dirs,
-                               latest_checkpoint, read_checkpoint_weights, read_trainer_state,
-                               remove_partial_checkpoints, truncate_metrics)
+from openflash.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads
+from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.threads import ThreadTuner
@@ -160,22 +154,14 @@ class Trainer:
         self.ctx = ctx if ctx is not None else DistContext.current()
         self.on_step = on_step
         self.run_dir = Path(cfg.out)
+        self.run = RunFolder(self.run_dir, self.ctx.is_main)
         self.train_data = TokenDataset(cfg.data, "train")
         self.val_data = TokenDataset(cfg.data, "val")
         self.tokenizer_path = self.train_data.tokenizer_path
 
-        if self.ctx.is_main:
-            remove_partial_checkpoints(self.run_dir)
-        resume_from = latest_checkpoint(self.run_dir)
-        if cfg.resume and resume_from is None:
-            raise OpenflashError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINTS_DIR} (start without "
-                                 f"--resume to begin a new run)")
-        if not cfg.resume and resume_from is not None:
-            raise OpenflashError(f"{self.run_dir} already holds checkpoints (latest {resume_from.name}); pass "
-                                 f"--resume to continue it, or choose a new --out folder")
-        self.resume_from = resume_from if cfg.resume else None
+        self.resume_from = self.run.resume_point(cfg.resume)
         if self.resume_from is not None:
-            self._check_resume_args()
+            self.run.check_resume_args(asdict(cfg), RESUME_FIXED)
             self.model_cfg = load_config(self.resume_from)
         else:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
@@ -204,7 +190,7 @@ class Trainer:
         self._last_eval_step = -1
         self.last_val_loss: float | None = None
         self.budget_fixed = False  # a time-budgeted run has fixed its step count
-        self._stop_requested = False
+        self.stop = StopRequest(announce=self.ctx.is_main)
         self._last_saved_step = -1
         self._eval_seconds = 0.0
         self._save_seconds = 0.0
@@ -216,7 +202,7 @@ class Trainer:
     # ---- public ---------------------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint and return from fit() (what Ctrl-C does)."""
-        self._stop_requested = True
+        self.stop.request()
 
     @property
     def total_steps(self) -> int:
@@ -227,10 +213,13 @@ class Trainer:
         self._fit_start = time.monotonic()
         deadline = self._fit_start + cfg.max_minutes * 60 if cfg.max_minutes is not None else math.inf
         if ctx.is_main:
-            self._start_run_files()
+            resumed = self.resume_from is not None
+            self.run.start(None if resumed else json.dumps(self.model_cfg.to_hf_dict(), indent=2) + "\n", self.step,
+                           asdict(cfg), {"event": "resume" if resumed else "start", "at_step": self.step,
+                                         "world_size": ctx.world_size, "config": cfg.config,
+                                         "params": sum(p.numel() for p in self.model.parameters())})
         if self.step == 0 and self.resume_from is None and self.eval_set:
             self._evaluate_and_log()
-        previous_handler = self._install_sigint()
         # A time-budgeted run shows a plain step counter until it knows how many steps fit.
         bar = tqdm(total=None if cfg.steps_from_budget else self.total_steps, initial=self.step, unit="step",
                    dynamic_ncols=True, disable=not (cfg.progress and ctx.is_main), desc="training")
@@ -239,39 +228,39 @@ class Trainer:
         if cfg.adaptive_threads and not ctx.enabled and torch.get_num_threads() > 1:
             tuner = ThreadTuner((torch.get_num_threads(), 1))
         threads_before = torch.get_num_threads()
-        try:
-            while self.step < self.total_steps:
-                if tuner is not None:
-                    torch.set_num_threads(tuner.threads_for(len(step_times)))
-                record = self.train_step()
-                if tuner is not None:
-                    record["threads"] = torch.get_num_threads()
-                    tuner.record(record["threads"], record["step_seconds"])
-                step_times.append(record["step_seconds"])
-                last_loss = record["loss"]
-                if ctx.is_main:
-                    self._log(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                refresh=False)
-                if cfg.steps_from_budget and self._plan_budget(step_times, deadline):
-                    bar.total = self.total_steps
-                    bar.refresh()
-                if self.on_step is not None:
-                    self.on_step(self, record)
-                if self.step < self.total_steps:
-                    if cfg.eval_every and self.step % cfg.eval_every == 0 and self.eval_set:
-                        self._evaluate_and_log(bar)
-                    if cfg.save_every and self.step % cfg.save_every == 0:
-                        self._save()
-                interrupted, out_of_time = ctx.any_each([self._stop_requested, time.monotonic() >= deadline])
-                if interrupted or out_of_time:
-                    stopped_by = "interrupt" if interrupted else "time"
-                    break
-        finally:
-            bar.close()
-            self._restore_sigint(previous_handler)
-            torch.set_num_threads(threads_before)
+        with self.stop:  # Ctrl-C asks for a stop after this step
+            try:
+                while self.step < self.total_steps:
+                    if tuner is not None:
+                        torch.set_num_threads(tuner.threads_for(len(step_times)))
+                    record = self.train_step()
+                    if tuner is not None:
+                        record["threads"] = torch.get_num_threads()
+                        tuner.record(record["threads"], record["step_seconds"])
+                    step_times.append(record["step_seconds"])
+                    last_loss = record["loss"]
+                    if ctx.is_main:
+                        self._log(record)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                    refresh=False)
+                    if cfg.steps_from_budget and self._plan_budget(step_times, deadline):
+                        bar.total = self.total_steps
+                        bar.refresh()
+                    if self.on_step is not None:
+                        self.on_step(self, record)
+                    if self.step < self.total_steps:
+                        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.eval_set:
+                            self._evaluate_and_log(bar)
+                        if cfg.save_every and self.step % cfg.save_every == 0:
+                            self._save()
+                    interrupted, out_of_time = ctx.any_each([self.stop.requested, time.monotonic() >= deadline])
+                    if interrupted or out_of_time:
+                        stopped_by = "interrupt" if interrupted else "time"
+                        break
+            finally:
+                bar.close()
+                torch.set_num_threads(threads_before)
         if self.eval_set and stopped_by != "interrupt" and self._last_eval_step != self.step:
             self._evaluate_and_log()
         checkpoint = self._save()
@@ -379,7 +368,7 @@ class Trainer:
         self._last_eval_step = self.step
         if self.ctx.is_main:
             ppl = math.exp(min(val, 50.0))
-            self._append_metrics({"step": self.step, "val_loss": round(val, 6), "val_ppl": round(ppl, 4)})
+            self.run.append_metrics({"step": self.step, "val_loss": round(val, 6), "val_ppl": round(ppl, 4)})
             if self.cfg.progress:
                 (bar.write if bar is not None else print)(f"step {self.step}: val_loss {val:.4f} (ppl {ppl:.2f})")
         return val
@@ -401,39 +390,8 @@ class Trainer:
         return True
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def _check_resume_args(self) -> None:
-        path = self.run_dir / ARGS_FILE
-        if not path.is_file():
-            return
-        try:
-            recorded = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise OpenflashError(f"{path}: unreadable ({exc})") from exc
-        diffs = [f"{k} (run: {recorded.get(k)!r}, now: {getattr(self.cfg, k)!r})" for k in RESUME_FIXED
-                 if recorded.get(k) != getattr(self.cfg, k)]
-        if diffs:
-            raise OpenflashError(f"--resume with different arguments than the run in {self.run_dir}: "
-                                 f"{'; '.join(diffs)}")
-
-    def _start_run_files(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = self.run_dir / METRICS_FILE
-        if self.resume_from is None:
-            self.model_cfg.save(self.run_dir / "config.json")
-            metrics.write_text("")
-        else:
-            truncate_metrics(metrics, self.step)
-        write_json_atomic(self.run_dir / ARGS_FILE, asdict(self.cfg))
-        self._append_metrics({"event": "resume" if self.resume_from is not None else "start", "at_step": self.step,
-                              "world_size": self.ctx.world_size, "config": self.cfg.config,
-                              "params": sum(p.numel() for p in self.model.parameters())})
-
-    def _append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-
     def _log(self, record: dict[str, Any]) -> None:
-        self._append_metrics({k: v for k, v in record.items() if k != "loss_exact"})
+        self.run.append_metrics({k: v for k, v in record.items() if k != "loss_exact"})
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -451,24 +409,18 @@ class Trainer:
 
     def _save(self) -> Path:
         """Write a checkpoint of the current step (rank 0), atomically; returns its folder."""
-        root = self.run_dir / CHECKPOINTS_DIR
-        final = root / f"step_{self.step:08d}"
+        final = self.run_dir / CHECKPOINTS_DIR / f"step_{self.step:08d}"
         if self._last_saved_step == self.step:
             return final
         t0 = time.monotonic()
+
+        def write(folder: Path) -> None:
+            save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
+            torch.save(self.state_dict(), folder / STATE_FILE)
+            write_manifest(folder)  # again, now covering the trainer state too
+
         if self.ctx.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = root / f".tmp_step_{self.step:08d}_{os.getpid()}"
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            save_checkpoint(self.model, tmp, dtype="fp32", tokenizer_json=self.tokenizer_path)
-            torch.save(self.state_dict(), tmp / STATE_FILE)
-            write_manifest(tmp)  # again, now covering the trainer state too
-            if final.exists():  # a stale copy of this step (e.g. from a run that was resumed earlier)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in checkpoint_dirs(self.run_dir)[:-self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+            final = self.run.save(self.step, write, self.cfg.keep_checkpoints)
         self.ctx.barrier()
         self._last_saved_step = self.step
         self._save_seconds = time.monotonic() - t0
@@ -492,26 +444,6 @@ class Trainer:
         self._seconds_before = float(state["trained_seconds"])
         self.last_val_loss = state["last_val_loss"]
         self._last_saved_step = self.step
-
-    # ---- Ctrl-C ----------------------------------------------------------------------------------------------
-    def _install_sigint(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._stop_requested:  # a second Ctrl-C aborts at once
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            if self.ctx.is_main:
-                tqdm.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
-
-        return signal.signal(signal.SIGINT, handler)
-
-    @staticmethod
-    def _restore_sigint(previous: Any) -> None:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
