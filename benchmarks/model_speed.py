@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import build_model
-from openflash.memory.frontend import EngramFrontend
-from openflash.memory.placement import EngramMemory
 from openflash.config import load_config
+from openflash.memory.placement import EngramMemory
 from openflash.model.numerics import FP32
 from openflash.plan import build_plan
 from openflash.tokenizer import preset_tokenizer
@@ -66,7 +65,7 @@ def bench(preset: str, prompt_len: int, decode_steps: int, peak: float, bandwidt
     cfg = load_config(preset)
     torch.manual_seed(0)
     model = build_model(cfg, FP32).eval()
-    memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(cfg, preset_tokenizer(cfg)))
+    memory = EngramMemory.attach(model, "device", tokenizer=preset_tokenizer(cfg))
     plan = build_plan(preset)
     ids = torch.randint(3, cfg.vocab_size, (1, prompt_len))
     warm = model.new_cache(1)

@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import build_model
-from openflash.memory.frontend import EngramFrontend
-from openflash.memory.placement import EngramMemory
 from openflash.config import FlashConfig, load_config
+from openflash.memory.placement import EngramMemory
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
                                    update_router_bias)
@@ -76,7 +75,7 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int) -> dict:
     torch.manual_seed(0)
     cfg = load_config(preset).replace(weight_dtype="fp32", expert_dtype="fp32")
     model = build_model(cfg, "train").train()
-    memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(cfg, preset_tokenizer(cfg)))
+    memory = EngramMemory.attach(model, "device", tokenizer=preset_tokenizer(cfg))
     opt = TrainOptimizer(model, OptimConfig(lr=1e-3))
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)

@@ -18,7 +18,6 @@ from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.errors import OpenflashError
 from openflash.manifest import MANIFEST_FILE, verify_manifest
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
 from openflash.tokenizer import load_tokenizer
@@ -57,8 +56,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _with_engram(model, dataset: Path) -> WithEngram:
     """The model with its device-tier Engram memory, addressed through the dataset's tokenizer."""
-    frontend = EngramFrontend.for_config(model.cfg, load_tokenizer(dataset / "tokenizer.json"))
-    return WithEngram(model, EngramMemory.attach(model, "device", frontend=frontend))
+    return WithEngram(model, EngramMemory.attach(model, "device", tokenizer=load_tokenizer(dataset / "tokenizer.json")))
 
 
 def _fit(dataset: Path, out: Path, on_step=None, **overrides) -> tuple[Trainer, list[dict]]:

@@ -171,8 +171,7 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
-        frontend = EngramFrontend.for_config(cfg, tok) if cfg.engram_layer_ids else None
-        return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, frontend,
+        return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
                            f"preset '{spec}' with random weights (outputs are noise)")
     model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify)
     return LoadedModel(model, report.tokenizer, report.engram_frontend, report.summary())
@@ -201,11 +200,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
     model = build_model(cfg, numerics, device="meta")
     expected = model.state_dict()
-    frontend = None
-    if cfg.engram_layer_ids:
-        frontend = EngramFrontend.from_token_map(cfg, token_map) if token_map is not None else \
-            EngramFrontend.for_config(cfg, tokenizer)
-    report = LoadReport(folder, tokenizer=tokenizer, engram_frontend=frontend)
+    report = LoadReport(folder, tokenizer=tokenizer, engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
 
     problems: list[str] = []
     present = set(files.names())

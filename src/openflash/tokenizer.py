@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,24 @@ def deepseek_tokenizer_for_vocab(num_ids: int) -> Tokenizer:
     complete BPE of its own: every token keeps its DeepSeek id and text (hence the same Engram token map as the
     full tokenizer restricted to `num_ids`), and text that DeepSeek would encode to a larger id is spelt out in the
     smaller pieces instead. Built in memory, deterministically, from the `deepseek-tokenizer` package."""
+    cut = _cut_deepseek_json(num_ids)
+    if cut is None:
+        raise ConfigError(f"a DeepSeek tokenizer cut to {num_ids} ids would be the whole tokenizer (use 'deepseek')")
+    tokenizer = Tokenizer.from_str(cut)
+    if tokenizer.get_vocab_size(with_added_tokens=True) != num_ids:  # a hole would make ids shift
+        raise OpenflashError(f"the DeepSeek tokenizer cut to {num_ids} ids has "
+                             f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens (package changed?)")
+    return tokenizer
+
+
+@lru_cache(maxsize=None)
+def _cut_deepseek_json(num_ids: int) -> str | None:
+    """tokenizer.json text of the cut (None: `num_ids` covers every DeepSeek id). Cached: parsing the 8 MB file
+    and filtering 127k merges is the cost, and every preset model built in a process needs the same cut."""
     full = json.loads(deepseek_tokenizer_path().read_text(encoding="utf-8"))
     vocab = full["model"]["vocab"]
+    if num_ids > max([*vocab.values(), *(t["id"] for t in full["added_tokens"])]):
+        return None
     if not FIRST_MERGE_ID <= num_ids <= len(vocab):
         raise ConfigError(f"a DeepSeek tokenizer cut to {num_ids} ids needs {FIRST_MERGE_ID}..{len(vocab)} ids (the "
                           f"byte tokens end at id {FIRST_MERGE_ID - 1})")
@@ -60,18 +77,13 @@ def deepseek_tokenizer_for_vocab(num_ids: int) -> Tokenizer:
     full["model"]["vocab"] = {token: i for token, i in vocab.items() if i < num_ids}
     full["model"]["merges"] = merges
     full["added_tokens"] = [t for t in full["added_tokens"] if t["id"] < num_ids]
-    tokenizer = Tokenizer.from_str(json.dumps(full))
-    if tokenizer.get_vocab_size(with_added_tokens=True) != num_ids:  # a hole would make ids shift
-        raise OpenflashError(f"the DeepSeek tokenizer cut to {num_ids} ids has "
-                             f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens (package changed?)")
-    return tokenizer
+    return json.dumps(full)
 
 
 def preset_tokenizer(config: "FlashConfig") -> Tokenizer:
     """The tokenizer a preset comes with: DeepSeek's, cut to the preset's vocabulary when that is smaller."""
-    full = load_tokenizer(DEEPSEEK)
-    if config.vocab_size >= full.get_vocab_size(with_added_tokens=True):
-        return full
+    if _cut_deepseek_json(config.vocab_size) is None:
+        return load_tokenizer(DEEPSEEK)
     return deepseek_tokenizer_for_vocab(config.vocab_size)
 
 

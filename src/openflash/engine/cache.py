@@ -29,7 +29,6 @@ import torch
 from openflash import formats
 from openflash.config import FlashConfig, LayerMode
 from openflash.errors import OpenflashError
-from openflash.memory.hashing import EngramHashState
 from openflash.model.cache import InputHistory, ModelCache, WindowCache, concat_inputs, rollback_compressed
 
 KV_STORAGES = ("fp32", "packed")
@@ -439,10 +438,8 @@ class CacheFactory:
                       for _ in cfg.topology.layers]
         compressed = {i: PagedCompressedCache.empty(self.pool, batch_size, r, cfg.head_dim, self.device, spare)
                       for i, r in self.owner_ratios().items()}
-        engram = EngramHashState.empty(batch_size, cfg.engram_max_ngram_size - 1 + spare, device=self.device) \
-            if cfg.engram_layer_ids else None
         return ModelCache(pos=torch.zeros(batch_size, dtype=torch.long, device=self.device), window=window,
-                          compressed=compressed, engram=engram, spare=spare)
+                          compressed=compressed, engram=None, spare=spare)  # the Engram memory adds its history
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def global_bytes_per_token(self) -> float:

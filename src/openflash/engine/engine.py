@@ -36,7 +36,6 @@ from openflash.engine.runner import PREFILL_MODES, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 
@@ -101,8 +100,7 @@ class LLMEngine:
                                  f"cache QDQ; the model runs {model.numerics.name!r}")
         self._engram_stats: dict | None = memory.stats() if memory is not None else None  # only an explicit tier
         if memory is None:  # the model's own tables, addressed through the tokenizer's Engram token map
-            memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(model.cfg, tokenizer)
-                                         if model.cfg.engram_layer_ids else None)
+            memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
         self.model, self.tokenizer, self.memory = model, tokenizer, memory
         self.cfg = model.cfg
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,

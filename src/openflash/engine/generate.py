@@ -14,7 +14,6 @@ from tokenizers import Tokenizer
 
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 
@@ -42,8 +41,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
     memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map)."""
     params.validate()
     if memory is None:
-        memory = EngramMemory.attach(model, "device", frontend=EngramFrontend.for_config(model.cfg, tokenizer)
-                                     if model.cfg.engram_layer_ids else None)
+        memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
     ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise OpenflashError("the prompt is empty after tokenization")

@@ -151,7 +151,7 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: i
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}): "
-                             f"wrong tokenizer for this model?")
+                           f"wrong tokenizer for this model?")
     if len(prompt_ids) >= max_context:
         raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_context} "
                                  f"(prompt plus at least one generated token)")

@@ -37,6 +37,15 @@ class EngramFrontend:
         layout = EngramHashLayout.from_config(cfg, token_map)
         return cls(token_map, layout, NgramHasher(layout))
 
+    @classmethod
+    def of(cls, cfg: FlashConfig, tokenizer: Tokenizer | None = None,
+           token_map: TokenMap | None = None) -> "EngramFrontend | None":
+        """The frontend of a model: from the token map it carries if any, else from its tokenizer (default the
+        DeepSeek tokenizer); None for a model without Engram layers."""
+        if not cfg.engram_layer_ids:
+            return None
+        return cls.from_token_map(cfg, token_map) if token_map is not None else cls.for_config(cfg, tokenizer)
+
     def hash(self, input_ids: torch.Tensor, state: EngramHashState,
              token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
         """Hash ids [B, S, n_engram_layers, C] of a chunk following `state`, and the state after it."""

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from tokenizers import Tokenizer
 
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.checkpoint_tables import read_engram_spec
@@ -169,12 +170,12 @@ class EngramMemory:
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
     def attach(cls, model: torch.nn.Module, placement: str = "device", *, frontend: EngramFrontend | None = None,
-               table_dir: str | Path | None = None, cache_bytes: int = 0, io_threads: int = 4, group: Any = None,
+               tokenizer: Tokenizer | None = None, table_dir: str | Path | None = None, cache_bytes: int = 0, io_threads: int = 4, group: Any = None,
                prefetch: bool = True, checkpoint_dir: str | Path | None = None) -> "EngramMemory":
         """The Engram memory of `model` in `placement`; its `prepare` hands rows down to the model's steps.
 
-        frontend: the token map and hasher of the model's tokenizer (EngramFrontend.for_config / from_token_map;
-        default: the DeepSeek tokenizer restricted to the vocabulary). device: the model's own tables. host /
+        frontend: the token map and hasher of the model (EngramFrontend.of); without one, built from `tokenizer`
+        (default: the DeepSeek tokenizer restricted to the vocabulary). device: the model's own tables. host /
         sharded: built from the model's FP8 DeviceTables (quantize fp32 tables with DeviceTable.to_fp8 first), or
         read straight from `checkpoint_dir`'s safetensors (a sharded rank reads only its block), so the model
         never needs to hold them. disk: opens `table_dir/engram_layer{L}.oftable` (from `openflash engram
@@ -198,7 +199,7 @@ class EngramMemory:
         layer_ids = list(cfg.engram_layer_ids)
         if not layer_ids:
             return cls(model, placement, {}, None, prefetch)
-        frontend = frontend if frontend is not None else EngramFrontend.for_config(cfg)
+        frontend = frontend if frontend is not None else EngramFrontend.for_config(cfg, tokenizer)
         embeds: dict[int, DeviceTable] = model.engram_tables()
         for j, lid in enumerate(layer_ids):
             if embeds[j].released is not None:
@@ -236,6 +237,10 @@ class EngramMemory:
         return cls(model, placement, tables, frontend, prefetch)
 
     # ---- before a step -------------------------------------------------------------------------------------
+    def _new_history(self, batch_size: int, cache: HashedSequences, device: torch.device) -> EngramHashState:
+        """The hash history a sequence starts with: max_ngram - 1 ids, plus the cache's rollback room."""
+        return EngramHashState.empty(batch_size, self.frontend.hasher.history_len + cache.spare, device)
+
     def _hash(self, input_ids: torch.Tensor, state: EngramHashState,
               image_mask: torch.Tensor | None) -> tuple[torch.Tensor, EngramHashState]:
         return self.frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
@@ -257,8 +262,8 @@ class EngramMemory:
         start = time.perf_counter()
         if cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]} rows")
-        before = cache.engram if cache.engram is not None else EngramHashState.empty(
-            input_ids.shape[0], self.frontend.hasher.history_len + cache.spare, input_ids.device)
+        before = cache.engram if cache.engram is not None else self._new_history(input_ids.shape[0], cache,
+                                                                                  input_ids.device)
         hash_ids, cache.engram = self._hash(input_ids, before, image_mask)
         self._stats.steps += 1
         if speculation is not None:
@@ -288,8 +293,8 @@ class EngramMemory:
         if not self.layer_ids:
             return None
         device = self.model.device
-        history = self.model.cfg.engram_max_ngram_size - 1
-        state = EngramHashState.empty(1, history + cache.spare, device)
+        state = self._new_history(1, cache, device)
+        history = self.frontend.hasher.history_len
         before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=device)
         if before.shape[1]:
             _, state = self._hash(before, state, None)
@@ -390,8 +395,6 @@ class EngramMemory:
     def _gather_now(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.tables[slot], ShardedTable):
             return self._prefetcher.gather(slot, ids)  # collectives stay in the worker's order
-        if self.placement == "device":
-            return self.tables[slot].gather(ids)  # the model's own table (training: inside autograd)
         try:
             return self.tables[slot].gather(ids)
         except EngramTableError:

@@ -116,8 +116,9 @@ class InputHistory:
         self.score[b_idx, slots] = score[b_idx, s_idx].detach().float()
         self.pos[b_idx, slots] = positions[b_idx, s_idx]
 
-    def open_group(self, to_pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(partial_kv, partial_score) [B, ratio, D] of the group open after to_pos[b] tokens."""
+    def rollback(self, to_pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forget the inputs of positions >= to_pos[b]; returns (partial_kv, partial_score) [B, ratio, D] of the
+        group open after to_pos[b] tokens, rebuilt from the inputs kept."""
         start = torch.div(to_pos, ratio, rounding_mode="floor") * ratio
         want = start.unsqueeze(1) + torch.arange(ratio, device=to_pos.device)  # [B, ratio] positions
         held = want < to_pos.unsqueeze(1)
@@ -156,7 +157,7 @@ def rollback_compressed(store: Any, ratio: int, to_pos: torch.Tensor) -> None:
     if ratio > 1:
         if store.inputs is None:
             raise ValueError("this cache keeps no compressor inputs: create it with spare > 0 to roll back")
-        store.partial_kv, store.partial_score = store.inputs.open_group(to_pos, ratio)
+        store.partial_kv, store.partial_score = store.inputs.rollback(to_pos, ratio)
 
 
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

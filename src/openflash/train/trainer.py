@@ -41,7 +41,6 @@ from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
-from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
@@ -168,9 +167,8 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.model_cfg, "train").train()
-        frontend = EngramFrontend.for_config(self.model_cfg, load_tokenizer(self.tokenizer_path)) \
-            if self.model_cfg.engram_layer_ids else None
-        self.memory = EngramMemory.attach(self.model, "device", frontend=frontend)  # rows inside autograd
+        # The model's own tables, addressed through the data's tokenizer; gathered inside autograd.
+        self.memory = EngramMemory.attach(self.model, "device", tokenizer=load_tokenizer(self.tokenizer_path))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
