@@ -78,3 +78,12 @@ def test_verify_without_a_manifest_says_how_to_make_one(tmp_path, capsys):
     assert "verify --write" in capsys.readouterr().err
     assert cli_main(["verify", "--write", str(tmp_path)]) == 0
     assert cli_main(["verify", str(tmp_path)]) == 0
+
+
+def test_verify_a_path_that_is_not_a_folder(tmp_path, capsys):
+    (tmp_path / "file.bin").write_bytes(b"x")
+    assert cli_main(["verify", str(tmp_path / "file.bin")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    (tmp_path / MANIFEST_FILE).write_text("not a checksum line\n")
+    with pytest.raises(OpenflashError, match=rf"{MANIFEST_FILE}:1: not a '<sha256>  <file name>' line"):
+        verify_manifest(tmp_path)

@@ -44,3 +44,13 @@ def test_generate_on_a_preset_takes_any_text():
                           "def fibonacci(n): 😀", "--max-tokens", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "3 generated" in out.stdout
+
+
+def test_a_cut_needs_the_byte_tokens():
+    from openflash.errors import ConfigError
+    from openflash.tokenizer import deepseek_tokenizer_for_vocab
+
+    with pytest.raises(ConfigError, match="cut to 100 ids needs 259"):
+        deepseek_tokenizer_for_vocab(100)
+    with pytest.raises(ConfigError, match="would be the whole tokenizer"):
+        deepseek_tokenizer_for_vocab(129280)

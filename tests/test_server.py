@@ -462,6 +462,13 @@ def test_shutdown_aborts_what_does_not_drain(stack):
     assert engine.metrics.requests_finished["abort"] == 1 and engine.factory.pool.blocks_in_use == 0
 
 
+def test_serve_refuses_bad_limits(capsys):
+    from openflash.cli import main as cli_main
+
+    assert cli_main(["serve", "--model", "tiny", "--max-request-bytes", "0"]) == 2
+    assert "--max-request-bytes must be >= 1 (got 0)" in capsys.readouterr().err
+
+
 def test_openflash_serve_command(tmp_path):
     """`openflash serve --model tiny`: a preset with random weights (logged as such), served until SIGINT."""
     port = free_port()
