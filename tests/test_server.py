@@ -31,7 +31,7 @@ from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.serve.app import ServerConfig, build_app
-from openflash.serve.chat_template import ChatTemplate
+from openflash.chat import chat_format
 from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
 
 CORPUS = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "bisect.py")
@@ -103,8 +103,8 @@ def stack(tmp_path_factory):
 def make_app(model, tok, server_kw=None, **engine_kw):
     config = dict(max_batch=32, max_context=MAX_CONTEXT, prefill_chunk=32, max_step_tokens=256)
     engine = LLMEngine(model, tok, EngineConfig(**{**config, **engine_kw}))
-    template = ChatTemplate.for_tokenizer(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    return engine, build_app(engine, tok, ServerConfig(NAME, template, drain_timeout=2.0, **(server_kw or {})))
+    fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    return engine, build_app(engine, tok, ServerConfig(NAME, fmt, drain_timeout=2.0, **(server_kw or {})))
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,8 @@ def test_chat_stream_and_nonstream(live, stack):
     client = server.client()
     messages = [{"role": "system", "content": "You wrap text."}, {"role": "user", "content": "Wrap this line."}]
     full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
-    template = ChatTemplate.for_tokenizer(tok, 0, 1)
-    assert template.bos == "<|bos|>" and template.eos == "<|eos|>"
+    fmt = chat_format(tok, 0, 1)
+    assert fmt.name == "simple" and fmt.bos == "<|bos|>" and fmt.eos == "<|eos|>"
     rendered = "<|bos|>You wrap text.<｜User｜>Wrap this line.<｜Assistant｜>"
     ids = tok.encode(rendered, add_special_tokens=False).ids
     assert full.usage.prompt_tokens == len(ids)
@@ -367,8 +367,8 @@ def test_tokenization_runs_off_the_event_loop(stack):
             return tok.encode_batch(*args, **kwargs)
 
     engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
-    template = ChatTemplate.for_tokenizer(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    app = build_app(engine, BlockingTokenizer(), ServerConfig(NAME, template, drain_timeout=2.0))
+    fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    app = build_app(engine, BlockingTokenizer(), ServerConfig(NAME, fmt, drain_timeout=2.0))
     with LiveServer(app) as server, ThreadPoolExecutor(1) as pool:
         pending = pool.submit(httpx.post, server.url + "/tokenize", json={"prompt": "import os"}, timeout=60)
         assert tokenizing.wait(30)

@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
                             "OPENFLASH_API_KEY environment variable; /health and /metrics stay open)")
+    serve.add_argument("--chat-template", default="auto", choices=["auto", "deepseek-v4.1", "simple"],
+                       help="chat format: deepseek-v4.1 (thinking, DSML tool calls; needs the released tokenizer), "
+                            "simple (tools and results as text), auto: deepseek-v4.1 when the tokenizer has its "
+                            "tokens")
+    serve.add_argument("--thinking", action="store_true",
+                       help="chat requests that do not say are answered in thinking mode (default: chat mode)")
     serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
                        help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
 

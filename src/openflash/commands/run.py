@@ -77,7 +77,7 @@ def serve(args: Any) -> int:
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.serve.app import ServerConfig, build_app
-    from openflash.serve.chat_template import ChatTemplate
+    from openflash.chat import chat_format
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
@@ -101,8 +101,12 @@ def serve(args: Any) -> int:
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         max_waiting=args.max_waiting, engram_speculate=speculate), memory)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
-    template = ChatTemplate.for_tokenizer(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    config = ServerConfig(model_name=name, chat_template=template, max_request_bytes=args.max_request_bytes,
+    fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
+    if args.thinking and fmt.name != "deepseek-v4.1":
+        raise OpenflashError(f"--thinking needs the deepseek-v4.1 chat template; this model's is {fmt.name!r}")
+    log.info("chat template: %s%s", fmt.name, " (thinking by default)" if args.thinking else "")
+    config = ServerConfig(model_name=name, chat_format=fmt, thinking_default=args.thinking,
+                          max_request_bytes=args.max_request_bytes,
                           api_key=args.api_key or os.environ.get("OPENFLASH_API_KEY") or None)
     app = build_app(engine, tokenizer, config)
     stats = engine.stats()

@@ -1,2 +1,2 @@
 """OpenAI-compatible HTTP server: app.py (endpoints, `openflash serve`), protocol.py (request / response models),
-chat_template.py (messages -> prompt), metrics.py (Prometheus text)."""
+chat.py (chat requests -> conversations, replies -> messages), metrics.py (Prometheus text)."""

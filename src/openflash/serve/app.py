@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -31,19 +31,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from openflash.chat.conversation import ChatOptions, Forcing
 from openflash.engine.engine import LLMEngine
-from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError, QueueFullError,
-                                      RequestOutput)
+from openflash.engine.request import (ERROR, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
+                                      QueueFullError, RequestOutput)
 from openflash.engine.sampling import SamplingParams
-from openflash.errors import RequestError
+from openflash.errors import OpenflashError, RequestError
 from openflash.serve import metrics as prom
-from openflash.serve.chat_template import ChatTemplate
+from openflash.serve.chat import ChatFormat, ChatReply, CompletionParser, chat_options, conversation
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
-from openflash.serve.protocol import (LONE_SURROGATE, AssistantMessage, ChatChoice, ChatChunkChoice,
-                                      ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                      CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
-                                      DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
-                                      ModelList, PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+from openflash.serve.protocol import (LONE_SURROGATE, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
+                                      DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                      PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
 
 log = logging.getLogger("openflash.serve")
 
@@ -64,7 +65,8 @@ class APIError(Exception):
 @dataclass
 class ServerConfig:
     model_name: str
-    chat_template: ChatTemplate
+    chat_format: ChatFormat
+    thinking_default: bool = False  # chat requests that do not say: thinking mode on or off
     default_max_tokens: int = 256  # chat requests without max_tokens: this, capped by the context left
     drain_timeout: float = 10.0  # seconds running requests get to finish at shutdown
     disconnect_poll: float = 0.25  # seconds between client-disconnect checks of non-streaming requests
@@ -76,7 +78,9 @@ class ServerConfig:
 class _Choice:
     index: int
     request_id: str
-    prompt_tokens: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    ignore_eos: bool
     prefix: str = ""  # echoed prompt text (completions)
     echo_pending: bool = False  # streaming: the prefix still has to go out
     text: str = ""
@@ -85,6 +89,17 @@ class _Choice:
     cached_tokens: int = 0
     error: str | None = None
     done: bool = False
+    # chat: the parsed reply, and what the latest output added to it (a stream delta)
+    parser: CompletionParser | None = None
+    reply: ChatReply | None = None
+    delta: DeltaMessage | None = None
+    continuation: Forcing | None = None  # forced text to write once the model emits continuation.after_token
+    token_ids: list[int] = field(default_factory=list)  # every completion token so far, forced ones included
+    earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 class _Job:
@@ -96,22 +111,66 @@ class _Job:
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.choices: list[_Choice] = []
 
-    def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "") -> None:
-        index = len(self.choices)
-
+    def _deliverer(self, index: int) -> Any:
         def deliver(out: RequestOutput) -> None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+        return deliver
 
-        seq = self.engine.add_request(ids, params, on_output=deliver, ignore_eos=ignore_eos)
-        self.choices.append(_Choice(index, seq.request_id, len(ids), prefix, bool(prefix), text=prefix))
+    def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "",
+               parser: CompletionParser | None = None, reply: ChatReply | None = None,
+               continuation: Forcing | None = None) -> None:
+        index = len(self.choices)
+        first = params
+        if continuation is not None and continuation.after_token is not None:  # stop there, then force the text
+            first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
+        seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos)
+        self.choices.append(_Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
+                                    text=prefix, parser=parser, reply=reply, continuation=continuation))
 
     def apply(self, index: int, out: RequestOutput) -> _Choice:
         c = self.choices[index]
         c.text += out.text
-        c.completion_tokens, c.cached_tokens = out.completion_tokens, out.cached_tokens
+        c.token_ids += out.token_ids
+        c.completion_tokens = c.earlier_tokens + out.completion_tokens
+        if not c.earlier_tokens:
+            c.cached_tokens = out.cached_tokens
+        pieces = c.parser.feed(out.text) if c.parser is not None else []
         if out.finished:
-            c.done, c.finish_reason, c.error = True, out.finish_reason, out.error
+            forced = self._continue(c, out) if c.continuation is not None else None
+            if forced is not None:
+                pieces += c.parser.feed(forced) if c.parser is not None else []
+            else:
+                c.done, c.finish_reason, c.error = True, out.finish_reason, out.error
+                pieces += c.parser.finish() if c.parser is not None else []
+        if c.reply is not None:
+            c.delta = c.reply.add(pieces)
+            if c.done:
+                c.finish_reason = c.reply.finish_reason(c.finish_reason)
         return c
+
+    def _continue(self, c: _Choice, out: RequestOutput) -> str | None:
+        """The model closed its reasoning where the server forces a tool call: submit the rest (prompt, reasoning,
+        forced text) as the choice's next engine request. Returns the completion text that adds, or None when the
+        choice ends here (another stop, no room left, or the engine refused)."""
+        forcing, c.continuation = c.continuation, None
+        if out.finish_reason != STOP or not c.token_ids or c.token_ids[-1] != forcing.after_token:
+            return None
+        tokenizer = self.engine.tokenizer
+        forced_ids = tokenizer.encode(forcing.text, add_special_tokens=False).ids
+        used = c.earlier_tokens + out.completion_tokens + len(forced_ids)
+        if c.params.max_tokens - used < 1:
+            return None
+        try:
+            seq = self.engine.add_request(c.prompt_ids + c.token_ids + forced_ids,
+                                          replace(c.params, max_tokens=c.params.max_tokens - used),
+                                          on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos)
+        except OpenflashError as exc:
+            log.warning("forcing the tool call of choice %d failed: %s", c.index, exc)
+            return None
+        c.request_id, c.earlier_tokens = seq.request_id, used
+        c.token_ids += forced_ids
+        c.completion_tokens = used
+        return tokenizer.decode([forcing.after_token], skip_special_tokens=False) + forcing.text
 
     @property
     def pending(self) -> int:
@@ -182,9 +241,9 @@ class OpenflashServer:
                            param=param, code="invalid_token")
 
     def submit(self, job: _Job, ids: list[int], params: SamplingParams, ignore_eos: bool, param: str,
-               prefix: str = "") -> None:
+               prefix: str = "", **chat: Any) -> None:
         try:
-            job.submit(ids, params, ignore_eos, prefix)
+            job.submit(ids, params, ignore_eos, prefix, **chat)
         except PromptTooLongError as exc:
             raise APIError(413, str(exc), param=param, code="context_length_exceeded") from None
         except MaxTokensError as exc:
@@ -211,12 +270,25 @@ class OpenflashServer:
             return [list(p)]
         return [self.encode(x) if isinstance(x, str) else list(x) for x in p]
 
-    def chat_prompt(self, messages: list[Any]) -> list[int]:
+    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> tuple[list[int], Forcing | None]:
+        """Token ids of the rendered conversation (with forced text that starts the completion at once), and the
+        forcing that waits for the model's reasoning to end."""
+        fmt = self.config.chat_format
         try:
-            text = self.config.chat_template.render(messages)
-        except ValueError as exc:
-            raise APIError(422, str(exc), param="messages", code="invalid_value") from None
-        return self.encode(text, add_special_tokens=False)
+            fmt.check(options)
+            text = fmt.render(conversation(messages), options)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param or "messages", code="invalid_value") from None
+        forcing = fmt.forcing(options)
+        if forcing is not None and forcing.after_token is None:
+            text += forcing.text
+        return self.encode(text, add_special_tokens=False), forcing
+
+    def chat_options(self, body: ChatCompletionRequest) -> ChatOptions:
+        try:
+            return chat_options(body, self.config.thinking_default)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
     @staticmethod
     async def off_loop(fn: Any, *args: Any) -> Any:
@@ -256,8 +328,9 @@ class OpenflashServer:
                                     code="engine_error")
                     yield _sse(ErrorResponse(error=err).model_dump_json())
                     continue
-                if out.text or out.finished:
-                    yield _sse(chunk_of(choice, out))
+                chunk = chunk_of(choice, out)
+                if chunk is not None:
+                    yield _sse(chunk)
             if usage_chunk is not None:
                 yield _sse(usage_chunk())
             yield _sse("[DONE]")
@@ -284,7 +357,9 @@ class OpenflashServer:
             raise
         created, name = int(time.time()), self.config.model_name
 
-        def chunk_of(choice: _Choice, out: RequestOutput) -> str:
+        def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
+            if not (out.text or out.finished):
+                return None
             text = out.text
             if choice.echo_pending:
                 choice.echo_pending, text = False, choice.prefix + text
@@ -302,24 +377,32 @@ class OpenflashServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
-        ids = await self.off_loop(self.chat_prompt, body.messages)
+        options = self.chat_options(body)
+        ids, forcing = await self.off_loop(self.chat_prompt, body.messages, options)
         self.check_ids(ids, "messages")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
             max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
         job, rid = _Job(self.engine), f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = self.config.chat_format
         try:
             for _ in range(body.n):
                 params = self.sampling(body, max_tokens, len(job.choices))
-                self.submit(job, ids, params, body.ignore_eos, "messages")
+                parser, reply = fmt.parser(options), ChatReply(thinking=options.thinking)
+                if forcing is not None and forcing.after_token is None:
+                    reply.add(parser.feed(forcing.text))  # the forced text opens a call: nothing final yet
+                self.submit(job, ids, params, body.ignore_eos, "messages", parser=parser, reply=reply,
+                            continuation=forcing if forcing is not None and forcing.after_token is not None else None)
         except APIError:
             job.abort_unfinished()
             raise
         created, name = int(time.time()), self.config.model_name
         started: set[int] = set()
 
-        def chunk_of(choice: _Choice, out: RequestOutput) -> str:
-            delta = DeltaMessage(content=out.text)
+        def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
+            if choice.delta is None and not choice.done:
+                return None
+            delta = choice.delta or DeltaMessage()
             if choice.index not in started:
                 started.add(choice.index)
                 delta.role = "assistant"
@@ -327,8 +410,8 @@ class OpenflashServer:
             return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
 
         def full() -> ChatCompletionResponse:
-            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  finish_reason=c.finish_reason) for c in job.choices]
+            choices = [ChatChoice(index=c.index, message=c.reply.message(), finish_reason=c.finish_reason)
+                       for c in job.choices]
             return ChatCompletionResponse(id=rid, created=created, model=name, choices=choices,
                                           usage=job.usage(body.n))
 
@@ -350,7 +433,7 @@ class OpenflashServer:
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if body.messages is not None:
-            ids = await self.off_loop(self.chat_prompt, body.messages)
+            ids, _ = await self.off_loop(self.chat_prompt, body.messages, ChatOptions(self.config.thinking_default))
         else:
             ids = await self.off_loop(self.encode, body.prompt)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context)

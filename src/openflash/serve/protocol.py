@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 StopType = Union[str, list[str], None]
@@ -147,22 +148,63 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"  # JSON text of an object (OpenAI); an object is taken too
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, sent back by the client
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered
 
-    def text(self) -> str:
+    def parts(self) -> list[str]:
+        """The text blocks of the content (ValueError for non-text parts)."""
         if self.content is None:
-            return ""
+            return []
         if isinstance(self.content, str):
-            return self.content
+            return [self.content]
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise ValueError(f"content part type {part.type!r} is not supported (text only)")
             parts.append(part.text)
-        return "".join(parts)
+        return parts
+
+    def text(self) -> str:
+        return "".join(self.parts())
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class ThinkingOption(BaseModel):
+    """DeepSeek's API: {"thinking": {"type": "enabled" | "disabled"}}."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["enabled", "disabled"]
 
 
 class ChatCompletionRequest(_Request):
@@ -171,14 +213,26 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by the server (400s naming tools.N.field), see serve/chat.py
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: Union[StrictInt, str, None] = None  # 1..100 or low / high / xhigh / max
+    thinking: ThinkingOption | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang: {"thinking": bool, "reasoning_effort"}
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs", "top_logprobs", "tools")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
             raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, v: bool | None) -> bool | None:
+        if v is False:
+            raise ValueError("parallel_tool_calls false is not supported (the model may call several tools)")
         return v
 
     @field_validator("response_format")
@@ -193,7 +247,7 @@ class ChatCompletionRequest(_Request):
     def _text_only(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         for i, m in enumerate(v):
             try:
-                m.text()
+                m.parts()
             except ValueError as exc:
                 raise ValueError(f"message {i}: {exc}") from None
         return v
@@ -251,9 +305,22 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # thinking mode: the reasoning, apart from the answer
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -272,9 +339,23 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,143 @@
+"""Chat requests and replies: OpenAI chat bodies to a conversation the chat format renders, and a choice's parsed
+completion back to an OpenAI message (whole) or to deltas (streamed).
+
+Thinking is on when the request says so: `thinking: {"type": "enabled"}` (DeepSeek's API),
+`chat_template_kwargs: {"thinking": true}` (or "enable_thinking", as vLLM and SGLang take them), or a
+`reasoning_effort` (which only has a meaning in thinking mode); otherwise the server's default (`--thinking`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from openflash.chat.conversation import (ChatOptions, Content, Forcing, Piece, Reasoning, ToolCall, Turn,
+                                         check_arguments, check_tool)
+from openflash.errors import RequestError
+from openflash.serve.protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, DeltaMessage,
+                                      FunctionCallDelta, FunctionCallOut, NamedToolChoice, ToolCallDelta, ToolCallOut)
+
+
+class CompletionParser(Protocol):
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+class ChatFormat(Protocol):
+    """What the server needs of a chat template (chat/dsv41.py, chat/simple.py)."""
+
+    name: str
+
+    def check(self, options: ChatOptions) -> None: ...
+
+    def render(self, turns: Sequence[Turn], options: ChatOptions) -> str: ...
+
+    def parser(self, options: ChatOptions) -> CompletionParser: ...
+
+    def forcing(self, options: ChatOptions) -> Forcing | None: ...
+
+
+def _thinking(body: ChatCompletionRequest, default: bool) -> bool:
+    kwargs = body.chat_template_kwargs or {}
+    for key in ("thinking", "enable_thinking"):
+        if key in kwargs:
+            if not isinstance(kwargs[key], bool):
+                raise RequestError(f"chat_template_kwargs.{key} must be true or false, got {kwargs[key]!r}",
+                                   param=f"chat_template_kwargs.{key}")
+            return kwargs[key]
+    if body.thinking is not None:
+        return body.thinking.type == "enabled"
+    if body.reasoning_effort is not None or "reasoning_effort" in kwargs:
+        return True
+    return default
+
+
+def chat_options(body: ChatCompletionRequest, thinking_default: bool = False) -> ChatOptions:
+    """The request's chat options; RequestError naming the field for malformed tools or choices."""
+    kwargs = body.chat_template_kwargs or {}
+    unknown = sorted(set(kwargs) - {"thinking", "enable_thinking", "reasoning_effort"})
+    if unknown:
+        raise RequestError(f"chat_template_kwargs: unknown keys {unknown} (known: thinking, enable_thinking, "
+                           f"reasoning_effort)", param=f"chat_template_kwargs.{unknown[0]}")
+    effort = body.reasoning_effort if body.reasoning_effort is not None else kwargs.get("reasoning_effort")
+    tools = tuple(check_tool(t, f"tools.{i}") for i, t in enumerate(body.tools or ()))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise RequestError(f"tools: the function name {dup!r} is defined twice", param="tools")
+    choice, forced = body.tool_choice or "auto", None
+    if isinstance(choice, NamedToolChoice):
+        forced, choice = choice.function.name, "named"
+        if forced not in names:
+            raise RequestError(f"tool_choice.function.name: {forced!r} is not among the request's tools "
+                               f"({names})", param="tool_choice.function.name")
+    elif choice == "required" and not tools:
+        raise RequestError("tool_choice 'required' needs tools", param="tool_choice")
+    return ChatOptions(thinking=_thinking(body, thinking_default), reasoning_effort=effort, tools=tools,
+                       tool_choice=choice, forced_tool=forced)
+
+
+def conversation(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """A request's messages as turns; RequestError naming the field for malformed tool calls."""
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        role = "system" if m.role == "developer" else m.role
+        calls: list[ToolCall] = []
+        for j, call in enumerate(m.tool_calls or ()):
+            if role != "assistant":
+                raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls",
+                                   param=f"{where}.tool_calls")
+            arguments = check_arguments(call.function.arguments, f"{where}.tool_calls.{j}.function.arguments")
+            calls.append(ToolCall(call.id or f"call_{i}_{j}", call.function.name, arguments))
+        if role == "tool" and not m.tool_call_id:
+            raise RequestError(f"{where}.tool_call_id: a tool message must say which call it answers",
+                               param=f"{where}.tool_call_id")
+        reasoning = m.reasoning_content if role == "assistant" else None
+        turns.append(Turn(role, tuple(m.parts()), reasoning, tuple(calls), m.tool_call_id))
+    return turns
+
+
+# ---- a choice's reply -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatReply:
+    """One choice's message so far: pieces go in as the parser makes them final."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    thinking: bool = False
+
+    def add(self, pieces: list[Piece]) -> DeltaMessage | None:
+        """Record pieces; the stream delta that carries them (None if there are none)."""
+        if not pieces:
+            return None
+        delta = DeltaMessage()
+        deltas: list[ToolCallDelta] = []
+        for piece in pieces:
+            if isinstance(piece, Reasoning):
+                self.reasoning += piece.text
+                delta.reasoning_content = (delta.reasoning_content or "") + piece.text
+            elif isinstance(piece, Content):
+                self.content += piece.text
+                delta.content = (delta.content or "") + piece.text
+            else:
+                deltas.append(ToolCallDelta(index=len(self.calls), id=piece.id, type="function",
+                                            function=FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
+                self.calls.append(piece)
+        delta.tool_calls = deltas or None
+        return delta
+
+    def message(self) -> AssistantMessage:
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for c in self.calls]
+        return AssistantMessage(content=self.content if self.content or not calls else None,
+                                reasoning_content=self.reasoning if self.thinking else None,
+                                tool_calls=calls or None)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" when the model stopped after calling tools."""
+        return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
