@@ -23,6 +23,7 @@ import torch
 import uvicorn
 from starlette.testclient import TestClient
 
+from openflash.chat import chat_format
 from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
@@ -31,7 +32,6 @@ from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.serve.app import ServerConfig, build_app
-from openflash.chat import chat_format
 from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
 
 CORPUS = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "bisect.py")
@@ -502,3 +502,25 @@ def test_openflash_serve_command(tmp_path):
         log, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, log
     assert "RANDOM weights" in log
+
+
+def test_simple_template_takes_tools_as_text_and_refuses_what_it_cannot_do(live, stack):
+    server, _ = live
+    _, tok = stack
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "Find x."},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x = 1"}]
+    client = server.client()
+    out = client.chat.completions.create(model=NAME, messages=messages, tools=[tool], max_tokens=3, temperature=0)
+    rendered = ("<|bos|>## Tools\n" + json.dumps(tool["function"]) + "<｜User｜>Find x.<｜Assistant｜>\n[tool call c1] "
+                "lookup {}<|eos|><｜User｜>[tool result c1]\nx = 1<｜Assistant｜>")
+    assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False).ids)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+    for extra, param in (({"tool_choice": "required"}, "tool_choice"),
+                         ({"reasoning_effort": "high"}, "reasoning_effort"),
+                         ({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs.thinking")):
+        body = {"model": NAME, "messages": messages, "tools": [tool], "max_tokens": 3, **extra}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -105,7 +105,6 @@ class _Message:
     blocks: list[tuple[str, bool, str | None]] = field(default_factory=list)
     turn: Turn | None = None  # system / assistant turns
     tools: tuple[ToolSpec, ...] = ()
-    reasoning: str | None = None
 
 
 def _merge(turns: Sequence[Turn]) -> list[_Message]:
@@ -121,11 +120,11 @@ def _merge(turns: Sequence[Turn]) -> list[_Message]:
             else:
                 out[-1].blocks.extend((part, False, None) for part in (turn.parts or ("",)))
             continue
-        if turn.role == "assistant" and turn.tool_calls:
-            call_order = {c.id: i for i, c in enumerate(turn.tool_calls)}
         if out and out[-1].role == "user":
             _sort_results(out[-1], call_order)
-        out.append(_Message(turn.role, turn=turn, reasoning=turn.reasoning))
+        if turn.role == "assistant" and turn.tool_calls:
+            call_order = {c.id: i for i, c in enumerate(turn.tool_calls)}
+        out.append(_Message(turn.role, turn=turn))
     if out and out[-1].role == "user":
         _sort_results(out[-1], call_order)
     return out
@@ -143,7 +142,7 @@ def _opens_reply(messages: list[_Message], i: int) -> bool:
 
 
 class DeepSeekV41Format:
-    """The V4.1 chat format (see the module docstring); `check_tokenizer` says whether a tokenizer can take it."""
+    """The V4.1 chat format (see the module docstring); `suits` says whether a tokenizer can take it."""
 
     name = "deepseek-v4.1"
 
@@ -197,18 +196,20 @@ class DeepSeekV41Format:
             text += USER + "\n\n".join(f"<tool_result>{t}</tool_result>" if is_result else t
                                        for t, is_result, _ in m.blocks)
         else:  # assistant
-            turn = m.turn
-            if thinking and (keep_reasoning or i > last_user):
-                text += (m.reasoning or "") + THINK_END
-            text += "\n\n".join(turn.parts)
-            if turn.tool_calls:
-                text += dsml.render_calls(turn.tool_calls)
-            text += EOS
+            text += self.completion_text(m.turn, thinking and (keep_reasoning or i > last_user)) + EOS
         following = messages[i + 1].role if i + 1 < len(messages) else None
         if following in (None, "assistant") and _opens_reply(messages, i):
             opens_thinking = thinking and (keep_reasoning or i >= last_user)
             text += ASSISTANT + (THINK_START if opens_thinking else THINK_END)
         return text
+
+    @staticmethod
+    def completion_text(turn: Turn, with_reasoning: bool) -> str:
+        """What the model writes for an assistant turn (up to EOS): its reasoning and `</think>` when the turn
+        was written in thinking mode and its reasoning is kept, the answer, then its calls block."""
+        text = (turn.reasoning or "") + THINK_END if with_reasoning else ""
+        text += "\n\n".join(turn.parts)
+        return text + (dsml.render_calls(turn.tool_calls) if turn.tool_calls else "")
 
     def parser(self, options: ChatOptions) -> CompletionParser:
         tools = {t.name for t in options.tools} if options.tools_on else set()

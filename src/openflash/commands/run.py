@@ -74,10 +74,10 @@ def serve(args: Any) -> int:
     """`openflash serve --model M`: the OpenAI-compatible server (serve/app.py) over an engine (engine/)."""
     import uvicorn
 
+    from openflash.chat import chat_format
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.serve.app import ServerConfig, build_app
-    from openflash.chat import chat_format
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:

@@ -192,13 +192,13 @@ class LLMEngine:
                 continue
             if chunk.last:
                 self.scheduler.promote(seq)
-                token = int(sample(logits.unsqueeze(0), [seq.sampler])[0])
+                token = self.next_tokens(logits.unsqueeze(0), [seq])[0]
                 outputs.append((seq, self._append(seq, token)))
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             try:
                 ordered, logits = self.runner.decode(decodes)
-                tokens = sample(logits, [s.sampler for s in ordered]).tolist()
+                tokens = self.next_tokens(logits, ordered)
             except Exception as exc:
                 log.exception("batched decode failed")
                 for seq in decodes:
@@ -214,6 +214,10 @@ class LLMEngine:
         for seq, out in outputs:
             self._deliver(seq, out)
         return [out for _, out in outputs]
+
+    def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The next token of each sequence from its logits row (each with its own sampler)."""
+        return sample(logits, [s.sampler for s in seqs]).tolist()
 
     def _admit(self, seq: Sequence) -> bool:
         """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt."""

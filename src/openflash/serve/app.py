@@ -388,7 +388,7 @@ class OpenflashServer:
         try:
             for _ in range(body.n):
                 params = self.sampling(body, max_tokens, len(job.choices))
-                parser, reply = fmt.parser(options), ChatReply(thinking=options.thinking)
+                parser, reply = fmt.parser(options), ChatReply()
                 if forcing is not None and forcing.after_token is None:
                     reply.add(parser.feed(forcing.text))  # the forced text opens a call: nothing final yet
                 self.submit(job, ids, params, body.ignore_eos, "messages", parser=parser, reply=reply,

@@ -109,7 +109,6 @@ class ChatReply:
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
-    thinking: bool = False
 
     def add(self, pieces: list[Piece]) -> DeltaMessage | None:
         """Record pieces; the stream delta that carries them (None if there are none)."""
@@ -134,8 +133,8 @@ class ChatReply:
     def message(self) -> AssistantMessage:
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in self.calls]
-        return AssistantMessage(content=self.content if self.content or not calls else None,
-                                reasoning_content=self.reasoning if self.thinking else None,
+        # Empty fields are null, as in a stream that never sent them.
+        return AssistantMessage(content=self.content or None, reasoning_content=self.reasoning or None,
                                 tool_calls=calls or None)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
