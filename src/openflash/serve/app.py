@@ -7,9 +7,12 @@ The engine runs its own thread (engine/engine.py); a request handler submits one
 waits on an asyncio queue that the engine thread feeds (loop.call_soon_threadsafe). A client that disconnects
 (closes a stream, or drops a pending non-streaming request) cancels its engine requests, which frees their state
 at the next engine step. Shutdown stops intake, lets running requests finish for a while, then aborts the rest.
+A chat choice that must call a tool after its reasoning (tool_choice required / named in thinking mode) runs as
+two engine requests: the first stops at `</think>`, the second continues from the forced start of the call.
 
-Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 malformed JSON or a prompt the
-model cannot take (empty, token ids outside the vocabulary), 404 unknown model or route, 413 prompt longer than the
+Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 malformed JSON, a prompt the
+model cannot take (empty, token ids outside the vocabulary) or a chat request its template cannot (malformed tools,
+tool turns, reasoning effort; serve/chat.py), 404 unknown model or route, 413 prompt longer than the
 context, 422 invalid field values (the message and `param` name the field; max_tokens beyond the context left),
 429 queue full, 503 shutting down.
 """

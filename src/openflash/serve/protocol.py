@@ -2,7 +2,8 @@
 
 Requests are validated here (types and ranges, each error names its field); what depends on the model (context
 length, vocabulary) is checked by the engine. Unsupported OpenAI options are refused with a message rather than
-ignored. Extensions in the style of other open servers: top_k, stop_token_ids, ignore_eos.
+ignored. Extensions in the style of other open servers: top_k, stop_token_ids, ignore_eos; for chat, DeepSeek's
+`thinking` and vLLM / SGLang's `chat_template_kwargs` and `reasoning_content`.
 """
 
 from __future__ import annotations
