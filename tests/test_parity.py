@@ -46,3 +46,14 @@ def test_cli_rejects_a_folder_that_is_not_a_golden(tmp_path):
     out = subprocess.run([sys.executable, "-m", "openflash.cli", "parity", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a golden folder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_dspark_golden_covers_the_drafter_and_the_verified_round():
+    golden = Path(__file__).parent / "goldens" / "D"
+    results = {c.key: c for c in run_golden(golden, "reference", teacher_forced=False)}  # free-running, too
+    assert all(c.passed for c in results.values()), [k for k, c in results.items() if not c.passed]
+    for needed in ("prefill.main_hidden", "spec_prefill.main_x", "spec_prefill.mtp2.window_kv", "decode5.spec.logits",
+                   "decode5.spec.logits_head", "decode5.spec.mtp1.gate_indices", "decode5.spec.mtp2.out",
+                   "decode5.spec.confidence", "decode5.spec.output_ids", "decode0.spec.mtp0.main_kv",
+                   "verify5.logits", "spec_round.accepted_length", "spec_round.committed_tokens"):
+        assert needed in results and results[needed].kind != "missing", needed

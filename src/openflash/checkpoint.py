@@ -8,7 +8,7 @@ A folder holds `config.json` and either `model.safetensors` or shards with `mode
 tensors are read straight from the memory-mapped files, once.
 
 Loading checks every name, shape and dtype and reports all problems at once. Tensors of parts openflash does not
-implement (vision tower, DSpark draft stages) are listed and skipped, never silently.
+implement (the vision tower) are listed and skipped, never silently.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 log = logging.getLogger("openflash.checkpoint")
 
 # Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
-UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
+UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 _TORCH_TO_ST = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8",
                 torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 _FLOAT_ST = ("BF16", "F32", "F16")
 # Official storage of the dense linears that the release keeps in FP8 with 32x32 UE8M0 blocks (checkpoint.md §3).
-_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)"
-                         r"\.weight$")
+_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
+                         r"|mtp\.0\.main_proj)\.weight$")
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 # A checkpoint may carry its own Engram token map (models whose tokenizer is not DeepSeek's): TokenMap.from_file.
 TOKEN_MAP_FILE = "engram_token_map.npy"

@@ -150,6 +150,20 @@ class Topology:
         return all(layer < self.decoder_start for layer in self.engram_layers)
 
 
+@dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark draft head (vision_and_dspark.md part B): `stages` window-only blocks after the backbone
+    (checkpoint `mtp.0`..), reading the hidden states of `target_layer_ids`; one call drafts `block_size` tokens."""
+
+    stages: int
+    block_size: int  # draft block [anchor, noise x (block_size - 1)]: block_size drafts per call
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+
+
 @dataclass
 class FlashConfig:
     """The text model's hyper-parameters (HF `text_config` names) plus round-tripped extras."""
@@ -232,6 +246,45 @@ class FlashConfig:
         """A vision tower exists (vision_config.num_hidden_layers > 0): the router then has `bias_vl`."""
         vision = self.extra_root.get("vision_config") or {}
         return bool(vision.get("num_hidden_layers", 0))
+
+    @cached_property
+    def dspark(self) -> DSparkConfig | None:
+        """The draft head's shape, or None without one (num_nextn_predict_layers 0)."""
+        if self.num_nextn_predict_layers == 0:
+            return None
+        extra = self.extra_text
+        need = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+                "dspark_n_routed_experts", "dspark_num_experts_per_tok")
+        missing = [k for k in need if k not in extra]
+        if missing:
+            raise ConfigError(f"num_nextn_predict_layers = {self.num_nextn_predict_layers} (DSpark stages) but the "
+                              f"config lacks {missing}")
+        return DSparkConfig(self.num_nextn_predict_layers, int(extra["dspark_block_size"]),
+                            int(extra["dspark_noise_token_id"]),
+                            tuple(int(i) for i in extra["dspark_target_layer_ids"]), int(extra["dspark_markov_rank"]),
+                            int(extra["dspark_n_routed_experts"]), int(extra["dspark_num_experts_per_tok"]))
+
+    def dspark_stage_config(self) -> "FlashConfig":
+        """The config a draft stage's MoE is built from: the backbone's, with the stage expert count and top-k."""
+        d = self.dspark
+        return self.replace(n_routed_experts=d.n_routed_experts, num_experts_per_tok=d.num_experts_per_tok)
+
+    def with_dspark(self, stages: int = 3, block_size: int = 5, noise_token_id: int | None = None,
+                    target_layer_ids: list[int] | None = None, markov_rank: int = 32,
+                    n_routed_experts: int | None = None, num_experts_per_tok: int | None = None) -> "FlashConfig":
+        """This config with a DSpark draft head added (defaults: the released rules at this model's size: the
+        last three layers as targets, the backbone's expert count, top-3, the pad token as noise: like the release's placeholder id, never in text)."""
+        n = self.num_hidden_layers
+        extra = dict(self.extra_text)
+        extra.update(dspark_block_size=block_size,
+                     dspark_noise_token_id=self.pad_token_id if noise_token_id is None else noise_token_id,
+                     dspark_target_layer_ids=list(target_layer_ids or range(max(0, n - 3), n)),
+                     dspark_markov_rank=markov_rank,
+                     dspark_n_routed_experts=n_routed_experts or self.n_routed_experts,
+                     dspark_num_experts_per_tok=num_experts_per_tok or min(3, n_routed_experts or
+                                                                           self.n_routed_experts))
+        return self.replace(num_nextn_predict_layers=stages, compress_ratios=self.backbone_ratios + [0] * stages,
+                            extra_text=extra)
 
     @property
     def backbone_ratios(self) -> list[int]:
@@ -445,6 +498,17 @@ def validate(cfg: FlashConfig) -> None:
     for i in range(n, len(cfg.compress_ratios)):
         if cfg.compress_ratios[i] != 0:
             fail(f"compress_ratios[{i}] = {cfg.compress_ratios[i]}: DSpark stages must be window-only (ratio 0)")
+    if cfg.num_nextn_predict_layers:
+        d = cfg.dspark
+        if d.block_size < 2:
+            fail(f"dspark_block_size must be >= 2, got {d.block_size}")
+        if not 0 <= d.noise_token_id < cfg.vocab_size:
+            fail(f"dspark_noise_token_id {d.noise_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if not d.target_layer_ids or any(not 0 <= i < n for i in d.target_layer_ids):
+            fail(f"dspark_target_layer_ids must be backbone layers 0..{n - 1}, got {list(d.target_layer_ids)}")
+        if d.markov_rank < 1 or not 1 <= d.num_experts_per_tok <= d.n_routed_experts:
+            fail(f"dspark_markov_rank ({d.markov_rank}) must be >= 1 and dspark_num_experts_per_tok "
+                 f"({d.num_experts_per_tok}) in 1..dspark_n_routed_experts ({d.n_routed_experts})")
     if cfg.num_attention_heads % cfg.o_groups:
         fail(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by o_groups ({cfg.o_groups})")
     if cfg.num_key_value_heads != 1:

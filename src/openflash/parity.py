@@ -19,6 +19,11 @@ Tolerances of the teacher-forced run:
   rounding points, GEMM block order and attention kernel);
 - in `fp32` numerics (the fast default path) only hash ids, the token map and logits (LOGIT_ATOL_FP32) are held
   to account; top-k, routing and intermediates are reported, since bf16 rounding moves near-ties.
+
+A golden with a DSpark drafter (D) adds, in the reference's call order: the target's main_hidden, the rings seeded
+from the prompt, per decode step the drafter's main_x, stage outputs and routing, logits before and after the
+Markov bias, drafts and confidence, then the verified round (the target one token at a time on the last draft,
+greedy acceptance, the committed tokens).
 """
 
 from __future__ import annotations
@@ -89,7 +94,9 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     rows = memory.prepare(prompt, cache)
     if rows is not None:
         probe.record("engram_hash", rows.hash_ids)
-    logits_all = model.step(prompt, cache, engram=rows, probe=probe, all_logits=True)
+    drafting = cfg.dspark is not None and "spec_prefill.main_x" in expected
+    logits_all, hidden = model.step_hidden(prompt, cache, engram=rows, probe=probe, all_logits=True) if drafting \
+        else (model.step(prompt, cache, engram=rows, probe=probe, all_logits=True), None)
     _collect(probe.recorded, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
     ours["prefill.logits_all"] = logits_all
     ours["prefill.logits_last"] = logits_all[:, -1]
@@ -97,19 +104,74 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     if report.engram_frontend is not None:
         ours["engram.token_map"] = torch.from_numpy(report.engram_frontend.token_map.ids[: cfg.vocab_size])
     generated = [int(ours["prefill.next_token"][0])]
+    if drafting:  # the reference's forward_spec(.., 0): the stages' rings seeded from the whole prompt
+        probe = GoldenProbe("spec_prefill.", teacher)
+        model.draft_seed(hidden, cache, probe=probe)
+        ours.update(probe.recorded)
+        ours["spec_prefill.input_ids"] = ours["prefill.next_token"]
+        for m, ring in enumerate(cache.draft):
+            ours[f"spec_prefill.mtp{m}.window_kv"] = ring.kv.clone()
     for t in range(inputs["decode_steps"]):
         token = expected[f"decode{t}.input_token"].view(-1, 1)
         probe = GoldenProbe(f"decode{t}.", teacher)
         rows = memory.prepare(token, cache)
         if rows is not None:
             probe.record("engram_hash", rows.hash_ids)
-        logits = model.step(token, cache, engram=rows, probe=probe)
+        logits, hidden = model.step_hidden(token, cache, engram=rows, probe=probe) if drafting \
+            else (model.step(token, cache, engram=rows, probe=probe), None)
         _collect(probe.recorded, ours, f"decode{t}.", offset=cfg.sliding_window, cfg=cfg)
         ours[f"decode{t}.logits"] = logits
         ours[f"decode{t}.next_token"] = logits.argmax(-1)
         generated.append(int(logits.argmax(-1)[0]))
+        if drafting:
+            _draft_step(model, cache, hidden, logits.argmax(-1), f"decode{t}.spec.", teacher, ours)
     ours["generated_tokens"] = torch.tensor([generated])
+    if drafting:
+        _verify_round(model, memory, cache, expected, ours)
     return compare(ours, expected, numerics)
+
+
+def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefix: str,
+                teacher: dict[str, torch.Tensor] | None, ours: dict[str, torch.Tensor]) -> None:
+    """One forward_spec after a decode step: the drafts, and every intermediate the golden records."""
+    cfg = model.cfg
+    probe = GoldenProbe(prefix, teacher)
+    draft = model.draft(anchor, hidden, cache, choose=lambda logits, i: logits.argmax(-1), probe=probe)
+    for key, value in probe.recorded.items():
+        name = key[len(prefix):]
+        if name.startswith("block"):  # a stage's MoE records under its layer index: n_layers + stage
+            layer, rest = name[len("block"):].split(".", 1)
+            key = f"{prefix}mtp{int(layer) - cfg.num_hidden_layers}.{rest}"
+        ours[key] = value
+    ours[prefix + "input_ids"] = anchor
+    ours[prefix + "output_ids"] = draft.tokens
+    ours[prefix + "logits"] = draft.logits
+    ours[prefix + "confidence"] = draft.confidence
+    p = int(cache.pos[0]) - 1
+    for m, ring in enumerate(cache.draft):
+        ours[f"{prefix}mtp{m}.main_kv"] = ring.kv[:, p % ring.kv.shape[1]].clone()
+
+
+def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch.Tensor],
+                  ours: dict[str, torch.Tensor]) -> None:
+    """The golden's speculative round: the target on [y, d_1..d_B] one token at a time (as the reference can),
+    greedy acceptance, the committed tokens."""
+    steps = sum(1 for k in expected if k.startswith("verify") and k.endswith(".input_token"))
+    drafts, targets = expected["spec_round.draft_tokens"], []
+    for j in range(steps):
+        token = expected[f"verify{j}.input_token"].view(-1, 1)
+        logits = model.step(token, cache, engram=memory.prepare(token, cache))
+        ours[f"verify{j}.logits"] = logits
+        ours[f"verify{j}.next_token"] = logits.argmax(-1)
+        targets.append(int(logits.argmax(-1)[0]))
+    accepted = 0
+    while accepted < drafts.shape[1] and targets[accepted] == int(drafts[0, accepted]):
+        accepted += 1
+    last_draft = max(int(k.split(".")[0][len("decode"):]) for k in ours if k.startswith("decode") and ".spec." in k)
+    ours["spec_round.draft_tokens"] = ours[f"decode{last_draft}.spec.output_ids"][:, 1:]
+    ours["spec_round.target_tokens"] = torch.tensor([targets])
+    ours["spec_round.accepted_length"] = torch.tensor([accepted])
+    ours["spec_round.committed_tokens"] = torch.tensor([[int(t) for t in drafts[0, :accepted]] + [targets[accepted]]])
 
 
 def _collect(record: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], prefix: str, offset: int,
@@ -159,13 +221,18 @@ def compare(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], nu
         r = d / ref_f.abs()[finite].clamp(min=1e-6)
         max_abs = d.max().item() if d.numel() else 0.0
         max_rel = r.max().item() if r.numel() else 0.0
+        note = ""
         if numerics == "reference":
             ok = bool((d <= ATOL_BF16 + RTOL_BF16 * ref_f.abs()[finite]).all())
+        elif key.startswith("verify"):
+            # The golden records no intermediates of its verify steps, so nothing teacher-forces them: in fp32
+            # numerics their logits drift like a free-running comparison's (reported, not judged).
+            ok, note = True, "not teacher-forced (informational in fp32 numerics)"
         elif "logits" in key:
             ok = max_abs <= LOGIT_ATOL_FP32
         else:
             ok = True  # fp32 numerics: intermediates are informational
-        results.append(Comparison(key, "float", max_abs, max_rel, ok))
+        results.append(Comparison(key, "float", max_abs, max_rel, ok, note))
     return results
 
 

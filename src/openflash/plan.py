@@ -6,8 +6,8 @@ indexer), router, shared expert, the top-k routed experts, mHC and norms of each
 gains plus the looked-up table values at Engram layers, and the embedding (plus the head for a generated token).
 Under CED a prompt token runs only the encoder half; a generated token runs every layer.
 
-Parts openflash does not build (the vision tower and its image delimiter vectors, the DSpark draft stages) are
-counted from their config shapes (spec vision_and_dspark.md, checkpoint.md §3.7-3.8) and labelled as such.
+Parts openflash does not build (the vision tower and its image delimiter vectors) are counted from their config
+shapes (spec vision_and_dspark.md, checkpoint.md §3.8) and labelled as such; the DSpark draft stages are built.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from openflash import formats
-from openflash.config import FlashConfig, LayerMode, load_config
+from openflash.config import FlashConfig, load_config
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.transformer import Transformer
@@ -31,7 +31,7 @@ class Plan:
     params_total: int
     params_backbone: int
     params_engram_tables: int
-    params_dspark: int  # counted from shapes (not built)
+    params_dspark: int  # the DSpark draft stages (built)
     params_vision: int  # counted from shapes (not built)
     active_prefill_token: int
     active_decode_token: int
@@ -81,31 +81,6 @@ def _stored_bytes(module: nn.Module) -> int:
     return total
 
 
-def _dspark_params(cfg: FlashConfig) -> int:
-    """DSpark stages (mtp.*) from shapes: a WINDOW layer with its own MoE size, plus stage extras (spec §3.7)."""
-    n = cfg.num_nextn_predict_layers
-    if n == 0:
-        return 0
-    extra = cfg.extra_text
-    d, experts, inter = cfg.hidden_size, int(extra.get("dspark_n_routed_experts", 0)), cfg.moe_intermediate_size
-    with torch.device("meta"):
-        stage_cfg = cfg.replace(n_routed_experts=experts or cfg.n_routed_experts,
-                                num_experts_per_tok=min(int(extra.get("dspark_num_experts_per_tok", 1)),
-                                                        experts or cfg.n_routed_experts))
-        from openflash.config import LayerTopology
-        from openflash.model.transformer import Block
-        topo = LayerTopology(index=0, mode=LayerMode.WINDOW, compress_ratio=0, rope_theta=cfg.rope_theta,
-                             rope_yarn=False, kv_owner=None, index_k_owner=None, topk_owner=None,
-                             is_candidate_source=False, uses_candidates=False, engram_before=False,
-                             engram_slot=None, half="decoder")
-        stage = _count(Block(stage_cfg, topo))
-    targets = len(extra.get("dspark_target_layer_ids", []))
-    rank = int(extra.get("dspark_markov_rank", 0))
-    first = targets * d * d + d  # main_proj + main_norm
-    last = d + 2 * cfg.vocab_size * rank + (d + rank)  # norm, markov embed + head, confidence proj
-    return n * stage + first + last
-
-
 def _vision_params(cfg: FlashConfig) -> int:
     """ViT + aligner from vision_config shapes (spec numbers.md §1.3)."""
     v = cfg.extra_root.get("vision_config") or {}
@@ -127,7 +102,8 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
     topo = cfg.topology
     image_vectors = 3 * cfg.hidden_size if cfg.has_vision else 0  # image_start/end/newline (not built)
     tables = sum(_count(m) for m in model.modules() if isinstance(m, DeviceTable))
-    backbone = _count(model) - tables + image_vectors
+    dspark = _count(model.mtp)  # the draft stages (embed and head are the backbone's)
+    backbone = _count(model) - tables - dspark + image_vectors
     k, cols = cfg.num_experts_per_tok, cfg.n_hash_columns
     layers = []
     for t, block in zip(topo.layers, model.layers):
@@ -140,7 +116,7 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
     embed = cfg.vocab_size * cfg.hidden_size
     prefill = embed + sum(layer["active"] for layer in layers if layer["half"] == "encoder")
     decode = 2 * embed + sum(layer["active"] for layer in layers)
-    dspark, vision = _dspark_params(cfg), _vision_params(cfg)
+    vision = _vision_params(cfg)
 
     table_bytes = sum(m.num_rows * (m.dim + m.dim // 32) for m in model.modules() if isinstance(m, DeviceTable))
     dense_bytes = _stored_bytes(model) - table_bytes + image_vectors * 2

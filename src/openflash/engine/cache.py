@@ -29,7 +29,8 @@ import torch
 from openflash import formats
 from openflash.config import FlashConfig, LayerMode
 from openflash.errors import OpenflashError
-from openflash.model.cache import InputHistory, ModelCache, WindowCache, concat_inputs, rollback_compressed
+from openflash.model.cache import (InputHistory, ModelCache, WindowCache, concat_inputs, draft_rings,
+                                   rollback_compressed)
 
 KV_STORAGES = ("fp32", "packed")
 _E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
@@ -415,18 +416,23 @@ class CacheFactory:
     pool: BlockPool
     window_storage: str = "fp32"  # "fp32" or "packed" (FP8)
     device: torch.device | str = "cpu"
+    spare: int = 0  # rollback room of every cache (speculative decoding: the verified block)
+    draft: bool = False  # caches carry the DSpark drafter's rings
 
     @classmethod
     def create(cls, cfg: FlashConfig, kv_storage: str = "fp32", block_size: int = 16, max_blocks: int | None = None,
-               device: torch.device | str = "cpu") -> "CacheFactory":
+               device: torch.device | str = "cpu", spare: int = 0, draft: bool = False) -> "CacheFactory":
         layout = EntryLayout(cfg.head_dim, cfg.index_head_dim, kv_storage)
-        return cls(cfg, BlockPool(layout, block_size, max_blocks=max_blocks, device=device), kv_storage, device)
+        return cls(cfg, BlockPool(layout, block_size, max_blocks=max_blocks, device=device), kv_storage, device,
+                   spare, draft)
 
     def owner_ratios(self) -> dict[int, int]:
         return {t.index: t.compress_ratio for t in self.cfg.topology.layers if t.mode == LayerMode.FULL}
 
-    def empty(self, batch_size: int = 1, spare: int = 0) -> ModelCache:
-        """A cache of `batch_size` empty sequences; `spare`: how many latest tokens `rollback` can undo."""
+    def empty(self, batch_size: int = 1, spare: int | None = None) -> ModelCache:
+        """A cache of `batch_size` empty sequences; `spare`: how many latest tokens `rollback` can undo (default:
+        the factory's, which speculative decoding sets), with the drafter's rings when the factory has them."""
+        spare = self.spare if spare is None else spare
         cfg = self.cfg
         ring = cfg.sliding_window + spare
         if self.window_storage == "packed":
@@ -439,7 +445,8 @@ class CacheFactory:
         compressed = {i: PagedCompressedCache.empty(self.pool, batch_size, r, cfg.head_dim, self.device, spare)
                       for i, r in self.owner_ratios().items()}
         return ModelCache(pos=torch.zeros(batch_size, dtype=torch.long, device=self.device), window=window,
-                          compressed=compressed, engram=None, spare=spare)  # the Engram memory adds its history
+                          compressed=compressed, engram=None, spare=spare,  # the Engram memory adds its history
+                          draft=draft_rings(cfg, batch_size, self.device) if self.draft else [])
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def global_bytes_per_token(self) -> float:

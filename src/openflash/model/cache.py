@@ -16,7 +16,7 @@ dispatch, so an engine regroups sequences whatever the storage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -290,6 +290,14 @@ def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
     return type(states[0]).concat(states)
 
 
+def draft_rings(cfg: FlashConfig, batch_size: int, device: torch.device | str = "cpu") -> list[WindowStore]:
+    """One empty ring of `sliding_window` slots per DSpark stage (they hold committed positions only: no spare)."""
+    stages = cfg.dspark.stages if cfg.dspark is not None else 0
+    return [WindowCache(torch.zeros(batch_size, cfg.sliding_window, cfg.head_dim, device=device),
+                        torch.full((batch_size, cfg.sliding_window), -1, dtype=torch.long, device=device))
+            for _ in range(stages)]
+
+
 @dataclass
 class ModelCache:
     pos: torch.Tensor  # [B] tokens consumed so far
@@ -304,10 +312,13 @@ class ModelCache:
     # that many extra slots (attention masks them by position, so they change nothing), and compressed stores keep
     # the compressor inputs of the last ratio + spare tokens.
     spare: int = 0
+    # DSpark: each draft stage's ring of the target's KV (model/dspark.py); empty without a drafter.
+    draft: list[WindowStore] = field(default_factory=list)
 
     @classmethod
     def empty(cls, cfg: FlashConfig, batch_size: int, device: torch.device | str = "cpu",
-              capacity: int = 0, dtype: torch.dtype = torch.float32, spare: int = 0) -> "ModelCache":
+              capacity: int = 0, dtype: torch.dtype = torch.float32, spare: int = 0,
+              draft: bool = False) -> "ModelCache":
         topo = cfg.topology
         w, d, dk = cfg.sliding_window + spare, cfg.head_dim, cfg.index_head_dim
         window = [WindowCache(torch.zeros(batch_size, w, d, dtype=dtype, device=device),
@@ -327,7 +338,8 @@ class ModelCache:
                     if spare and t.compress_ratio > 1 else None,
                 )
         return cls(pos=torch.zeros(batch_size, dtype=torch.long, device=device), window=window,
-                   compressed=compressed, engram=None, spare=spare)
+                   compressed=compressed, engram=None, spare=spare,
+                   draft=draft_rings(cfg, batch_size, device) if draft else [])
 
     @property
     def batch_size(self) -> int:
@@ -344,7 +356,7 @@ class ModelCache:
             engram=self.engram.select(rows) if self.engram is not None else None,
             replay=None if self.replay is None else ReplayBuffer(
                 *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions))),
-            index_k_publisher=self.index_k_publisher, spare=self.spare,
+            index_k_publisher=self.index_k_publisher, spare=self.spare, draft=[w.select(rows) for w in self.draft],
         )
 
     @classmethod
@@ -362,6 +374,7 @@ class ModelCache:
                         for i in first.compressed},
             engram=_concat_history([c.engram for c in caches]),
             index_k_publisher=first.index_k_publisher, spare=first.spare,
+            draft=[type(first.draft[i]).concat([c.draft[i] for c in caches]) for i in range(len(first.draft))],
         )
 
     def rollback(self, to_pos: torch.Tensor | int) -> None:
@@ -375,7 +388,7 @@ class ModelCache:
                              f"last {self.spare} tokens can be undone (the cache's spare)")
         if self.replay is not None:
             raise ValueError("cannot roll back during a bounded-replay prefill; finish the prefill first")
-        for w in self.window:
+        for w in self.window + self.draft:
             w.rollback(to_pos)
         for c in self.compressed.values():
             c.rollback(to_pos)
@@ -390,7 +403,7 @@ class ModelCache:
 
     def nbytes(self) -> int:
         """Bytes held: positions, window rings, compressed stores (paged blocks counted in full), replay buffer."""
-        total = _nbytes(self.pos) + sum(w.nbytes() for w in self.window)
+        total = _nbytes(self.pos) + sum(w.nbytes() for w in self.window + self.draft)
         total += sum(c.nbytes() for c in self.compressed.values())
         if self.replay is not None:
             total += _nbytes(self.replay.residual, self.replay.pre_mix, self.replay.positions)

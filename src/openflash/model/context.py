@@ -49,6 +49,7 @@ class StepContext:
     dense_indexer: bool = False  # indexer warm-up: attend to every visible compressed entry
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
     probe: Probe | None = None  # parity checks: observes intermediates, keyed like the goldens
+    taps: dict[int, torch.Tensor | None] = field(default_factory=dict)  # DSpark target layers -> mean input stream
 
     def put(self, name: str, value: torch.Tensor) -> None:
         if self.probe is not None:

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash.config import FlashConfig, LayerTopology
-from openflash.model.attention import Attention
+from openflash.config import FlashConfig
+from openflash.model import dspark
+from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer
 from openflash.model.context import CompressedView, Probe, StepContext
-from openflash.model.engram import Engram, EngramRows
+from openflash.model.dspark import DSparkStage
+from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
-from openflash.model.mhc import collapse, hc_kernels
-from openflash.model.moe import MoE
+from openflash.model.mhc import collapse
 from openflash.model.numerics import FP32, Numerics
 
 log = logging.getLogger("openflash.model")
@@ -44,47 +46,19 @@ NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepare
 
 
 @dataclass
+class TargetHidden:
+    """The drafter's input from a target step: main_hidden [B, S', n_targets * dim] of positions [B, S'] (the
+    positions the target layers ran on: every token, or the replayed tail of a bounded prefill)."""
+
+    values: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, S, V] fp32
     loss: torch.Tensor | None  # next-token cross-entropy (mean over targets != -100)
     indexer_loss: torch.Tensor | None  # mean KL(attention || indexer) over indexer layers
-
-
-class Block(nn.Module, NumericsMixin):
-    """Attention and MoE sublayers, each wrapped in single-pass mHC (architecture.md §4.4)."""
-
-    def __init__(self, cfg: FlashConfig, topo: LayerTopology) -> None:
-        super().__init__()
-        self.topo = topo
-        hc, dim = cfg.hc_mult, cfg.hidden_size
-        self.hc, self.iters, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps
-        self.attn = Attention(cfg, topo)
-        self.ffn = MoE(cfg, topo.index)
-        self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
-        rows = (2 + hc) * hc
-        for part in ("attn", "ffn"):
-            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.randn(rows, hc * dim) * 0.1 / (hc * dim) ** 0.5))
-            # Start close to the identity mix: a strong diagonal in comb, neutral pre/post.
-            base = torch.zeros(rows)
-            base[2 * hc:] = torch.eye(hc).flatten() * 4.0
-            self.register_parameter(f"hc_{part}_base", nn.Parameter(base))
-            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
-        if topo.engram_before:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[topo.engram_slot])
-
-    def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
-                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One path for every numerics: the policy's mHC kernels (model/mhc.py HcKernels) do the stream work."""
-        hc = hc_kernels(self.numerics)
-        m, u = hc.read(residual, pre_in, self.hc_attn_fn)  # pre_in: the previous sublayer's pre
-        a_pre, a_post, a_comb = hc.coefficients(m, self.hc_attn_base, self.hc_attn_scale, self.hc, self.iters,
-                                                self.eps)
-        r1 = hc.write(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
-        m, v = hc.read(r1, a_pre, self.hc_ffn_fn)
-        f_pre, f_post, f_comb = hc.coefficients(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc, self.iters, self.eps)
-        r2 = hc.write(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
-        return r2, f_pre
 
 
 class Transformer(nn.Module):
@@ -95,6 +69,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.topology.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, exact_fp32=True)  # fp32 logits
+        # DSpark draft stages (checkpoint mtp.0..): they share embed and head with the backbone.
+        self.mtp = nn.ModuleList(DSparkStage(cfg, m) for m in range(cfg.dspark.stages if cfg.dspark else 0))
         self.numerics: Numerics = FP32
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
 
@@ -127,8 +103,9 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, batch_size: int = 1, capacity: int = 0) -> ModelCache:
-        return ModelCache.empty(self.cfg, batch_size, device=self.device, capacity=capacity)
+    def new_cache(self, batch_size: int = 1, capacity: int = 0, spare: int = 0) -> ModelCache:
+        return ModelCache.empty(self.cfg, batch_size, device=self.device, capacity=capacity, spare=spare,
+                                draft=bool(self.mtp))
 
     # ---- pieces ---------------------------------------------------------------------------------------------
     def _streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +126,8 @@ class Transformer(nn.Module):
                 residual = block.engram(residual, engram.get(block.topo.engram_slot), token_mask)
                 ctx.put(f"engram{i}.out", residual)
                 residual = ctx.forced(f"engram{i}.out", residual)
+            if i in ctx.taps:  # DSpark's input: the mean of the streams entering a target layer (spec B.2)
+                ctx.taps[i] = self.numerics.round(residual.float().mean(2))
             residual, pre = block(residual, pre, ctx, image_mask)
             ctx.put(f"block{i}.out", residual)
             residual = ctx.forced(f"block{i}.out", residual)
@@ -191,6 +170,19 @@ class Transformer(nn.Module):
         then runs only on the last `sliding_window` prompt positions (its KV owner's compressor still sees every
         token). Decode steps (S = 1) are the same in both modes.
         """
+        return self._step(input_ids, cache, mode, last_chunk, engram, image_mask, probe, all_logits, False)[0]
+
+    @torch.no_grad()
+    def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
+                    last_chunk: bool = True, engram: EngramRows | None = None, probe: Probe | None = None,
+                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+        """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
+        non-final bounded prefill chunk, whose decoder half has not run yet)."""
+        return self._step(input_ids, cache, mode, last_chunk, engram, None, probe, all_logits, True)
+
+    def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
+              engram: EngramRows | None, image_mask: torch.Tensor | None, probe: Probe | None, all_logits: bool,
+              hidden: bool) -> tuple[torch.Tensor | None, TargetHidden | None]:
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
         if mode == "bounded" and not self.cfg.topology.bounded_replay_ok:
@@ -202,7 +194,8 @@ class Transformer(nn.Module):
         if cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
-        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe)
+        taps = self._taps() if hidden else {}
+        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps)
         residual, pre = self._streams(input_ids)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         if mode == "exact" and cache.replay is not None:
@@ -212,7 +205,7 @@ class Transformer(nn.Module):
             cache.pos = cache.pos + S
             logits = self._logits(residual if all_logits else residual[:, -1:], pre if all_logits else pre[:, -1:],
                                   ctx)
-            return logits if all_logits else logits[:, -1]
+            return (logits if all_logits else logits[:, -1]), self._hidden(ctx)
 
         # Bounded replay: encoder on every token, plus the decoder KV owner's compressor and index keys.
         residual, pre = self._layers(residual, pre, range(split), ctx, engram, image_mask)
@@ -222,13 +215,49 @@ class Transformer(nn.Module):
         cache.replay = _append_replay(cache.replay, residual, pre, positions, self.cfg.sliding_window)
         cache.pos = cache.pos + S
         if not last_chunk:
-            return None
+            return None, None
         replay, cache.replay = cache.replay, None
         tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
-                               compressed={split: ctx.compressed[split]}, probe=probe)
+                               compressed={split: ctx.compressed[split]}, probe=probe,
+                               taps={i: v for i, v in ctx.taps.items() if i >= split} if hidden else {})
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      None)
-        return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1]
+        if hidden and any(v is None for v in tail_ctx.taps.values()):
+            raise ValueError("DSpark target layers in the CED encoder half need exact prefill (--prefill-mode exact)")
+        return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1], self._hidden(tail_ctx)
+
+    def _taps(self) -> dict[int, torch.Tensor | None]:
+        if self.cfg.dspark is None:
+            raise ValueError("this model has no DSpark draft head (num_nextn_predict_layers = 0)")
+        return {i: None for i in self.cfg.dspark.target_layer_ids}
+
+    def _hidden(self, ctx: StepContext) -> TargetHidden | None:
+        if not ctx.taps:
+            return None
+        values = torch.cat([ctx.taps[i] for i in self.cfg.dspark.target_layer_ids], dim=-1)
+        ctx.put("main_hidden", values)
+        return TargetHidden(ctx.forced("main_hidden", values), ctx.positions)
+
+    # ---- DSpark drafting -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_seed(self, hidden: TargetHidden, cache: ModelCache, valid: torch.Tensor | None = None,
+                   probe: Probe | None = None) -> None:
+        """Write the target's KV of hidden.positions (where `valid`) into every draft stage's ring."""
+        x = dspark.write_target(self.mtp, hidden.values, hidden.positions, cache.draft, valid)
+        if probe is not None:
+            probe.record("main_x", x)
+
+    @torch.no_grad()
+    def draft(self, anchor: torch.Tensor, hidden: TargetHidden, cache: ModelCache,
+              choose: Callable[[torch.Tensor, int], torch.Tensor], probe: Probe | None = None) -> dspark.Draft:
+        """Draft `block_size` tokens after each row's anchor [B], the token at position cache.pos (not yet run by
+        the target); `hidden`: main_hidden of position cache.pos - 1, whose KV is written into the rings first."""
+        d = self.cfg.dspark
+        x = dspark.write_target(self.mtp, hidden.values, hidden.positions, cache.draft)
+        positions = cache.pos.unsqueeze(1) + torch.arange(d.block_size, device=anchor.device)
+        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe)
+        ctx.put("main_x", x)
+        return dspark.draft_block(self.embed, self.head, self.mtp, anchor, ctx, d.noise_token_id, choose)
 
     @torch.no_grad()
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
@@ -275,4 +304,4 @@ def _append_replay(replay: ReplayBuffer | None, residual: torch.Tensor, pre: tor
     return ReplayBuffer(residual[:, -window:], pre[:, -window:], positions[:, -window:])
 
 
-__all__ = ["Transformer", "Block", "ForwardOutput", "CompressedView"]
+__all__ = ["Transformer", "Block", "ForwardOutput", "CompressedView", "TargetHidden"]

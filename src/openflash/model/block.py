@@ -1,0 +1,52 @@
+"""One layer: attention and MoE sublayers, each wrapped in single-pass mHC, with an Engram before it where the
+config places one (spec: architecture.md §4.4). The backbone's layers and the DSpark draft stages are Blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openflash.config import FlashConfig, LayerTopology
+from openflash.model.attention import Attention
+from openflash.model.context import StepContext
+from openflash.model.engram import Engram
+from openflash.model.layers import NumericsMixin, RMSNorm
+from openflash.model.mhc import hc_kernels
+from openflash.model.moe import MoE
+
+
+class Block(nn.Module, NumericsMixin):
+    """Attention and MoE sublayers, each wrapped in single-pass mHC (architecture.md §4.4)."""
+
+    def __init__(self, cfg: FlashConfig, topo: LayerTopology, attn: nn.Module | None = None) -> None:
+        super().__init__()
+        self.topo = topo
+        hc, dim = cfg.hc_mult, cfg.hidden_size
+        self.hc, self.iters, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.attn = Attention(cfg, topo) if attn is None else attn  # a draft stage brings its own
+        self.ffn = MoE(cfg, topo.index)
+        self.attn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        rows = (2 + hc) * hc
+        for part in ("attn", "ffn"):
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.randn(rows, hc * dim) * 0.1 / (hc * dim) ** 0.5))
+            # Start close to the identity mix: a strong diagonal in comb, neutral pre/post.
+            base = torch.zeros(rows)
+            base[2 * hc:] = torch.eye(hc).flatten() * 4.0
+            self.register_parameter(f"hc_{part}_base", nn.Parameter(base))
+            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+        if topo.engram_before:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[topo.engram_slot])
+
+    def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One path for every numerics: the policy's mHC kernels (model/mhc.py HcKernels) do the stream work."""
+        hc = hc_kernels(self.numerics)
+        m, u = hc.read(residual, pre_in, self.hc_attn_fn)  # pre_in: the previous sublayer's pre
+        a_pre, a_post, a_comb = hc.coefficients(m, self.hc_attn_base, self.hc_attn_scale, self.hc, self.iters,
+                                                self.eps)
+        r1 = hc.write(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
+        m, v = hc.read(r1, a_pre, self.hc_ffn_fn)
+        f_pre, f_post, f_comb = hc.coefficients(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc, self.iters, self.eps)
+        r2 = hc.write(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
+        return r2, f_pre
