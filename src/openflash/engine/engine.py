@@ -59,12 +59,18 @@ class EngineConfig:
     prefix_block_tokens: int | None = None  # default: prefill_chunk (snapshot) or 16 x max ratio (replay)
     prefix_cache_dir: str | None = None  # persist entries here (loaded at start, saved at shutdown)
     engram_speculate: int = 0  # with an Engram memory tier: prefetch rows of the k likeliest next tokens
+    speculative: str | None = None  # "dspark": speculative decoding with the model's DSpark drafter
+    num_speculative_tokens: int | None = None  # drafts verified per round (default: the drafter's block size)
 
     def validate(self) -> "EngineConfig":
         if self.prefill_mode not in PREFILL_MODES:
             raise OpenflashError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {self.prefill_mode!r}")
         if self.kv_storage not in KV_STORAGES:
             raise OpenflashError(f"kv_storage must be one of {list(KV_STORAGES)}, got {self.kv_storage!r}")
+        if self.speculative not in (None, "dspark"):
+            raise OpenflashError(f"speculative must be 'dspark' or None, got {self.speculative!r}")
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            raise OpenflashError("num_speculative_tokens needs speculative='dspark'")
         if self.prefix_restore not in RESTORE_MODES:
             raise OpenflashError(f"prefix_restore must be one of {list(RESTORE_MODES)}, got {self.prefix_restore!r}")
         if self.max_context < 2:
@@ -103,9 +109,10 @@ class LLMEngine:
             memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
         self.model, self.tokenizer, self.memory = model, tokenizer, memory
         self.cfg = model.cfg
+        drafts = self._drafts(model, config)
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
-                                           model.device)
-        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate)
+                                           model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
+        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts)
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
@@ -127,6 +134,20 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._removals: list[str] = []
+
+    @staticmethod
+    def _drafts(model: Transformer, config: EngineConfig) -> int:
+        """Drafts verified per speculative round (0: plain decoding)."""
+        if config.speculative is None:
+            return 0
+        d = model.cfg.dspark
+        if d is None:
+            raise OpenflashError("speculative decoding with dspark needs a model with a DSpark draft head "
+                                 "(num_nextn_predict_layers > 0; `openflash train --dspark --init RUN` adds one)")
+        k = d.block_size if config.num_speculative_tokens is None else config.num_speculative_tokens
+        if not 1 <= k <= d.block_size:
+            raise OpenflashError(f"num_speculative_tokens must be in 1..{d.block_size} (the drafter's block), got {k}")
+        return k
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -197,15 +218,23 @@ class LLMEngine:
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             try:
-                ordered, logits = self.runner.decode(decodes)
-                tokens = self.next_tokens(logits, ordered)
+                if self.runner.drafts:
+                    ordered, rounds = self.runner.speculate(decodes)
+                    committed = [r.tokens for r in rounds]
+                    self.metrics.record_rounds(rounds)
+                else:
+                    ordered, logits = self.runner.decode(decodes)
+                    committed = [[t] for t in self.next_tokens(logits, ordered)]
             except Exception as exc:
                 log.exception("batched decode failed")
                 for seq in decodes:
                     outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
             else:
-                for seq, token in zip(ordered, tokens):
-                    outputs.append((seq, self._append(seq, token)))
+                for seq, tokens in zip(ordered, committed):
+                    for token in tokens:  # a finished sequence drops the rest
+                        outputs.append((seq, self._append(seq, token)))
+                        if seq.finished:
+                            break
         self._flush_removals()
         if self._engram_stats is not None:  # snapshot for other threads (the memory tier is single-threaded)
             self._engram_stats = self.memory.stats()

@@ -69,6 +69,11 @@ class EngineMetrics:
     generation_tokens: int = 0
     requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     steps: int = 0
+    # speculative decoding: rounds, drafts verified and kept, and kept drafts by block position (1-based)
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_accepted_at: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
     _token_times: deque = field(default_factory=lambda: deque(maxlen=100000))
 
@@ -79,6 +84,19 @@ class EngineMetrics:
             self.ttft.observe(now - seq.arrival_time)
         else:
             self.itl.observe(now - seq.token_times[-2])
+
+    def record_rounds(self, rounds: list) -> None:
+        """Speculative rounds (engine/speculative.py Acceptance): one per sequence and step."""
+        for r in rounds:
+            self.spec_rounds += 1
+            self.spec_drafted += r.drafted
+            self.spec_accepted += r.accepted
+            for position in range(1, r.accepted + 1):
+                self.spec_accepted_at[position] += 1
+
+    def acceptance_length(self) -> float | None:
+        """Mean tokens committed per verification (kept drafts + the target's own token)."""
+        return (self.spec_accepted + self.spec_rounds) / self.spec_rounds if self.spec_rounds else None
 
     def record_finish(self, seq: Sequence) -> None:
         self.requests_finished[seq.finish_reason] += 1
@@ -95,6 +113,8 @@ class EngineMetrics:
         for h in (self.ttft, self.itl, self.e2e, self.queue_time, self.step_time):
             h.reset()
         self.prompt_tokens = self.cached_prompt_tokens = self.generation_tokens = self.steps = 0
+        self.spec_rounds = self.spec_drafted = self.spec_accepted = 0
+        self.spec_accepted_at.clear()
         self.requests_finished.clear()
         self._token_times.clear()
         self.started = time.perf_counter()

@@ -19,9 +19,10 @@ import torch
 
 from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
+from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
 from openflash.model.engram import EngramRows
-from openflash.model.transformer import Transformer
+from openflash.model.transformer import TargetHidden, Transformer
 
 PREFILL_MODES = ("bounded", "exact")
 
@@ -44,11 +45,12 @@ class EngramTier(Protocol):
 
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
-                 speculate_k: int = 0) -> None:
+                 speculate_k: int = 0, drafts: int = 0) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
         self.memory, self.speculate_k = memory, speculate_k
+        self.drafts = drafts  # DSpark drafts verified per round (0: no speculative decoding)
         self.device = model.device
         self.batch: ModelCache | None = None
         self.batch_ids: list[str] = []  # request id of each batch row
@@ -70,7 +72,15 @@ class ModelRunner:
                                f"{seq.num_prefilled} tokens in its cache")
         ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
         last = end == seq.prompt_len
-        logits = self._step(ids, seq.cache, self.prefill_mode, last)
+        if not self.drafts:
+            logits = self._step(ids, seq.cache, self.prefill_mode, last)
+        else:  # the drafter's rings take the target's hidden states of the positions the target layers ran on
+            rows = self.memory.prepare(ids, seq.cache)
+            logits, hidden = self.model.step_hidden(ids, seq.cache, mode=self.prefill_mode, last_chunk=last,
+                                                    engram=rows)
+            if hidden is not None:
+                self.model.draft_seed(hidden, seq.cache)
+                seq.draft_hidden = hidden.values[:, -1:]
         seq.num_prefilled = end
         return None if logits is None else logits[0]
 
@@ -87,6 +97,37 @@ class ModelRunner:
         if self.speculate_k > 0:
             self.memory.speculate(logits, self.batch, self.speculate_k)
         return ordered, logits
+
+    @torch.no_grad()
+    def speculate(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Acceptance]]:
+        """One speculative round for every sequence (engine/speculative.py): returns the sequences in batch-row
+        order and what each accepted. The batch cache ends after each row's committed tokens but the last."""
+        self._regroup(seqs)
+        by_id = {s.request_id: s for s in seqs}
+        ordered = [by_id[r] for r in self.batch_ids]
+        batch, model = self.batch, self.model
+        # Rows near max_tokens need fewer drafts; one K for the batch keeps the verify step rectangular.
+        k = max(0, min([self.drafts] + [s.params.max_tokens - len(s.output_ids) - 1 for s in ordered]))
+        anchor = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
+        start = batch.pos.clone()
+        hidden = TargetHidden(torch.cat([s.draft_hidden for s in ordered]), (start - 1).unsqueeze(1))
+        chooser = DraftChooser([s.sampler for s in ordered])
+        draft = model.draft(anchor, hidden, batch, chooser)
+        ids = draft.tokens[:, :k + 1]
+        logits, verified = model.step_hidden(ids, batch, engram=self.memory.prepare(ids, batch), all_logits=True)
+        results = []
+        for b, seq in enumerate(ordered):
+            drafts = ids[b, 1:].tolist()
+            q = None if seq.params.greedy else [chooser.q[b, j] for j in range(k)]
+            results.append(accept(logits[b], drafts, seq.sampler, q))
+        kept = torch.tensor([r.accepted for r in results], dtype=torch.long, device=self.device)
+        batch.rollback(start + kept + 1)  # anchor and kept drafts stay; the rejected ones are undone
+        committed = torch.arange(k + 1, device=self.device).unsqueeze(0) <= kept.unsqueeze(1)
+        model.draft_seed(verified, batch, valid=committed)
+        last = verified.values[torch.arange(len(ordered)), kept]
+        for b, seq in enumerate(ordered):
+            seq.draft_hidden = last[b].view(1, 1, -1)
+        return ordered, results
 
     # ---- batch membership ---------------------------------------------------------------------------------------
     def _regroup(self, seqs: list[Sequence]) -> None:

@@ -87,4 +87,14 @@ def render(engine: LLMEngine) -> str:
     w.labelled("requests_finished_total", "counter", "Finished requests by finish reason.",
                dict(m.requests_finished), "reason")
     w.metric("engine_steps_total", "counter", "Engine steps run.", m.steps)
+    if engine.runner.drafts:
+        w.metric("spec_decode_rounds_total", "counter", "Speculative rounds (one per sequence and step).",
+                 m.spec_rounds)
+        w.metric("spec_decode_num_draft_tokens_total", "counter", "Drafted tokens verified.", m.spec_drafted)
+        w.metric("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens accepted.", m.spec_accepted)
+        w.metric("spec_decode_acceptance_length", "gauge", "Mean tokens committed per verification (accepted + 1).",
+                 m.acceptance_length() or 0.0)
+        w.labelled("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                   "Accepted drafts by block position (1 = the first draft).",
+                   {str(p): m.spec_accepted_at.get(p, 0) for p in range(1, engine.runner.drafts + 1)}, "position")
     return w.text()
