@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     # train / demo / generate / plot ------------------------------------------------------------------------
     train = _add(sub, "train", "openflash.commands.train:train", "train a model on prepared data")
     train.add_argument("--config", default="small", help="preset name or config.json path")
-    train.add_argument("--data", required=True, help="folder written by `openflash data prepare`")
+    train.add_argument("--data", default=None, help="folder written by `openflash data prepare` (required, except "
+                       "with --dspark, which defaults to the --init run's)")
     train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     train.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
@@ -126,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     train.add_argument("--seed", type=int, default=0, help="random seed")
+    train.add_argument("--dspark", action="store_true",
+                       help="train a DSpark drafter for the --init model (its backbone frozen); --out: the checkpoint "
+                            "folder written")
+    train.add_argument("--init", default=None, help="with --dspark: the trained run folder or checkpoint")
+    train.add_argument("--anchors", type=int, default=32, help="with --dspark: draft blocks per sequence per step")
 
     demo = _add(sub, "demo", "openflash.commands.train:demo",
                 "prepare a corpus, train a small model, then generate from it (the README's main job)")
@@ -143,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+    gen.add_argument("--speculative", default=None, choices=["dspark"],
+                     help="speculative decoding with the model's DSpark draft head (same output when greedy)")
+    gen.add_argument("--num-speculative-tokens", type=int, default=None,
+                     help="drafts verified per round (default: the drafter's block size)")
     gen.add_argument("--verify", action="store_true",
                      help="check the checkpoint against its checksums.sha256 first (loading does not, unless asked)")
 
@@ -179,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
                             "OPENFLASH_API_KEY environment variable; /health and /metrics stay open)")
+    serve.add_argument("--speculative", default=None, choices=["dspark"],
+                       help="speculative decoding with the model's DSpark draft head; acceptance in /metrics")
+    serve.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="drafts verified per round (default: the drafter's block size)")
     serve.add_argument("--chat-template", default="auto", choices=["auto", "deepseek-v4.1", "simple"],
                        help="chat format: deepseek-v4.1 (thinking, DSML tool calls; needs the released tokenizer), "
                             "simple (tools and results as text), auto: deepseek-v4.1 when the tokenizer has its "

@@ -24,11 +24,32 @@ def generate(args: Any) -> int:
     loaded = open_model(args.model, args.tokenizer, verify=args.verify)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
+    if args.speculative is not None:
+        return _generate_speculative(loaded, args, params)
     result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory())
     print(f"# {loaded.note}")
     print(args.prompt + result.text)
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
           f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
+    return 0
+
+
+def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams) -> int:
+    """`generate --speculative dspark`: the engine's speculative rounds on one request."""
+    from openflash.engine.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_batch=1, max_context=len(loaded.tokenizer.encode(args.prompt).ids) + args.max_tokens + 1,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens), loaded.memory())
+    seq = engine.generate([args.prompt], params)[0]
+    m = engine.metrics
+    decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
+    print(f"# {loaded.note}")
+    print(args.prompt + seq.text)
+    print(f"# {seq.prompt_len} prompt tokens, {len(seq.output_ids)} generated ({seq.finish_reason}); "
+          f"{m.spec_rounds} rounds, {m.acceptance_length() or 0:.2f} tokens per verification, "
+          f"{m.spec_accepted}/{m.spec_drafted} drafts accepted; decode {(len(seq.output_ids) - 1) / decode:.1f} "
+          f"tokens/s")
     return 0
 
 
@@ -99,7 +120,8 @@ def serve(args: Any) -> int:
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        max_waiting=args.max_waiting, engram_speculate=speculate), memory)
+        max_waiting=args.max_waiting, engram_speculate=speculate, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens), memory)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
     if args.thinking and fmt.name != "deepseek-v4.1":

@@ -21,6 +21,26 @@ from openflash.train.tokenizer import iter_text_files, parse_patterns, train_bpe
 from openflash.train.trainer import TrainConfig, Trainer
 
 
+def train_dspark(args: argparse.Namespace) -> int:
+    """`openflash train --dspark --init RUN --out DIR [--steps N] [--data D] ...`."""
+    import logging
+
+    from openflash.train.dspark import DraftTrainConfig, train_drafter
+
+    if args.init is None:
+        raise OpenflashError("--dspark needs --init RUN (the trained model to draft for)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = DraftTrainConfig(init=args.init, out=args.out, data=args.data, steps=args.steps, batch_size=args.batch_size,
+                           seq_len=args.seq_len, anchors=args.anchors, lr=args.lr, seed=args.seed,
+                           max_minutes=args.max_minutes)
+    summary = train_drafter(cfg)
+    first, last = summary["first"], summary["last"]
+    print(f"drafter trained {summary['steps']} steps: loss {first['loss']:.3f} -> {last['loss']:.3f}, greedy "
+          f"agreement {first['greedy_agreement']:.2f} -> {last['greedy_agreement']:.2f}; model with drafter: "
+          f"{args.out}")
+    return 0
+
+
 def data_prepare(args: argparse.Namespace) -> int:
     """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`."""
     prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
@@ -48,7 +68,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train(args: argparse.Namespace) -> int:
-    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks)."""
+    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks), or
+    `openflash train --dspark --init RUN --out DIR`: a drafter for a trained model."""
+    if args.dspark:
+        return train_dspark(args)
+    if args.init is not None:
+        raise OpenflashError("--init is for --dspark (a drafter for a trained model)")
+    if args.data is None:
+        raise OpenflashError("--data is required (a folder written by `openflash data prepare`)")
     cfg = config_from_args(args)
     ctx = init_from_env()
     try:

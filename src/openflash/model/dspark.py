@@ -175,18 +175,17 @@ def draft_block(embed: nn.Embedding, head: Linear, stages: nn.ModuleList, anchor
     ctx.put("final_norm", x)
     logits = head(x.float())
     ctx.put("logits_head", logits.clone())
-    out = torch.empty(B, size + 1, dtype=torch.long, device=anchor.device)
-    out[:, 0] = anchor
+    out = [anchor]
     embeds, biases = [], []
     for i in range(size):
-        e = n.round(last.markov_head.embed(out[:, i]).float())
+        e = n.round(last.markov_head.embed(out[i]).float())
         bias = last.markov_head.head(e)
         logits[:, i] += bias
         embeds.append(e)
         biases.append(bias)
-        out[:, i + 1] = choose(logits[:, i], i)
+        out.append(choose(logits[:, i], i))
     markov = torch.stack(embeds, dim=1)
     ctx.put("markov_embed", markov)
     ctx.put("markov_bias", torch.stack(biases, dim=1))
     confidence = last.confidence_head.proj(torch.cat((u.float(), markov.float()), dim=-1)).squeeze(-1)
-    return Draft(out, logits, confidence)
+    return Draft(torch.stack(out, dim=1), logits, confidence)

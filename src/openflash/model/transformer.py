@@ -59,6 +59,7 @@ class ForwardOutput:
     logits: torch.Tensor  # [B, S, V] fp32
     loss: torch.Tensor | None  # next-token cross-entropy (mean over targets != -100)
     indexer_loss: torch.Tensor | None  # mean KL(attention || indexer) over indexer layers
+    main_hidden: torch.Tensor | None = None  # with hidden=True: the DSpark drafter's input [B, S, n_targets * dim]
 
 
 class Transformer(nn.Module):
@@ -144,11 +145,12 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 engram: EngramRows | None = None, dense_indexer: bool = False,
                 image_mask: torch.Tensor | None = None,
-                probe: Probe | None = None) -> ForwardOutput:
-        """Full causal sequences [B, S] from position 0."""
+                probe: Probe | None = None, hidden: bool = False) -> ForwardOutput:
+        """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it)."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
-        ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe)
+        ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
+                          taps=self._taps() if hidden else {})
         residual, pre = self._streams(input_ids)
         residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, image_mask)
         logits = self._logits(residual, pre, ctx)
@@ -156,7 +158,8 @@ class Transformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         indexer_loss = torch.stack(ctx.indexer_losses).mean() if ctx.indexer_losses else None
-        return ForwardOutput(logits, loss, indexer_loss)
+        main_hidden = self._hidden(ctx)
+        return ForwardOutput(logits, loss, indexer_loss, None if main_hidden is None else main_hidden.values)
 
     # ---- incremental inference -----------------------------------------------------------------------------
     @torch.no_grad()
