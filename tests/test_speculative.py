@@ -166,3 +166,18 @@ def test_refusals(drafted):
     plain = Transformer(load_config("tiny"))
     with pytest.raises(OpenflashError, match="needs a model with a DSpark draft head"):
         LLMEngine(plain, tok, EngineConfig(speculative="dspark"))
+
+
+def test_metrics_report_acceptance(drafted):
+    from openflash.serve.metrics import render
+
+    model, tok = drafted
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, speculative="dspark", num_speculative_tokens=3))
+    engine.generate(_prompts((9, 14), model.cfg.vocab_size), SamplingParams(max_tokens=12), ignore_eos=True)
+    text = render(engine)
+    m = engine.metrics
+    assert f"openflash_spec_decode_num_draft_tokens_total {m.spec_drafted}" in text
+    assert f"openflash_spec_decode_num_accepted_tokens_total {m.spec_accepted}" in text
+    assert 'openflash_spec_decode_num_accepted_tokens_per_pos_total{position="3"}' in text
+    assert "openflash_spec_decode_acceptance_length" in text
+    assert "spec_decode" not in render(LLMEngine(model, tok, EngineConfig(max_batch=2)))
