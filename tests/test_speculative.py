@@ -4,6 +4,7 @@ prefill modes, continuous batching, prefix-cache hits, packed KV), the target's 
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
@@ -181,3 +182,24 @@ def test_metrics_report_acceptance(drafted):
     assert 'openflash_spec_decode_num_accepted_tokens_per_pos_total{position="3"}' in text
     assert "openflash_spec_decode_acceptance_length" in text
     assert "spec_decode" not in render(LLMEngine(model, tok, EngineConfig(max_batch=2)))
+
+
+def test_server_with_speculation_answers_as_without(drafted):
+    from test_server import LiveServer
+
+    from openflash.chat import chat_format
+    from openflash.serve.app import ServerConfig, build_app
+
+    model, tok = drafted
+    prompt = _prompts((15,), model.cfg.vocab_size)[0]
+    texts = []
+    for speculative in (None, "dspark"):
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=256, speculative=speculative))
+        app = build_app(engine, tok, ServerConfig("drafted", chat_format(tok, 0, 1), drain_timeout=2.0))
+        with LiveServer(app) as server:
+            out = server.client().completions.create(model="drafted", prompt=prompt, max_tokens=16, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+            texts.append(out.choices[0].text)
+            metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert ("openflash_spec_decode_num_draft_tokens_total" in metrics) == (speculative is not None)
+    assert texts[0] == texts[1] and texts[0]

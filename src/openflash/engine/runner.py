@@ -124,7 +124,7 @@ class ModelRunner:
         batch.rollback(start + kept + 1)  # anchor and kept drafts stay; the rejected ones are undone
         committed = torch.arange(k + 1, device=self.device).unsqueeze(0) <= kept.unsqueeze(1)
         model.draft_seed(verified, batch, valid=committed)
-        last = verified.values[torch.arange(len(ordered)), kept]
+        last = verified.values[torch.arange(len(ordered), device=self.device), kept]
         for b, seq in enumerate(ordered):
             seq.draft_hidden = last[b].view(1, 1, -1)
         return ordered, results
