@@ -57,6 +57,36 @@ def run(model, tok, prompts, batch: int, max_tokens: int, speculative: bool, k: 
     return out
 
 
+def part_costs(model, tok, prompt: list[int], k: int, repeats: int = 20) -> dict:
+    """Median milliseconds, batch 1, after the prompt: one plain decode step, one verify step of k + 1 tokens, one
+    draft call (a cache copy per call, so every call starts from the same state)."""
+    from openflash.memory.placement import EngramMemory
+    from openflash.model.transformer import TargetHidden
+
+    memory = EngramMemory.attach(model, "device", tokenizer=tok)
+    base = model.new_cache(spare=k + 1)
+    ids = torch.tensor([prompt])
+    _, hidden = model.step_hidden(ids, base, engram=memory.prepare(ids, base))
+    last = TargetHidden(hidden.values[:, -1:], hidden.positions[:, -1:])
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            cache = base.select([0])
+            begin = time.perf_counter()
+            fn(cache)
+            times.append(time.perf_counter() - begin)
+        return 1000 * statistics.median(times)
+
+    def verify(cache, n):
+        block = torch.full((1, n), 5)
+        model.step(block, cache, engram=memory.prepare(block, cache), all_logits=True)
+
+    anchor = torch.tensor([5])
+    return {"decode_step_ms": timed(lambda c: verify(c, 1)), "verify_step_ms": timed(lambda c: verify(c, k + 1)),
+            "draft_ms": timed(lambda c: model.draft(anchor, last, c, lambda logits, i: logits.argmax(-1)))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder with a DSpark head")
@@ -107,9 +137,12 @@ def main() -> None:
               f"{row['acceptance_length']:.2f} tokens per verification, accepted by position "
               + ", ".join(f"{p}: {v:.2f}" for p, v in row["accepted_at_position"].items())
               + f"; identical outputs: {same}")
+    costs = part_costs(model, tok, all_prompts[0], args.num_speculative_tokens or model.cfg.dspark.block_size)
+    print("batch 1 costs: plain decode step {decode_step_ms:.1f} ms, verify step {verify_step_ms:.1f} ms, "
+          "draft {draft_ms:.1f} ms".format(**costs))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "results": results},
-                                   indent=1) + "\n")
+    args.out.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "results": results,
+                                    "costs": costs}, indent=1) + "\n")
     print(f"wrote {args.out}")
     if scratch is not None:
         scratch.cleanup()
