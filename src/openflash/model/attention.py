@@ -289,16 +289,35 @@ class Attention(nn.Module, NumericsMixin):
         ctx.compressed[self.topo.index] = view
 
     # ---- forward ----------------------------------------------------------------------------------------------
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q [B,S,H,D] after RoPE, window KV [B,S,D] after RoPE and QDQ, the q latent, cos, sin)."""
+        n = self.numerics
+        B, S, _ = x.shape
+        cos, sin = self.rotary.angles(positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        q = n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2)))
+        return q, self.window_entries(x, cos, sin), qr, cos, sin
+
+    def window_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The sliding-window KV of x [B,S,dim]: kv_norm(wkv(x)), RoPE, FP8 QDQ (§5.3)."""
+        n = self.numerics
+        return n.window_kv(n.round(self.rotary.apply(self.kv_norm(self.wkv(x)), cos, sin)))
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE at the query positions, then the block-diagonal grouped low-rank output (§5.11)."""
+        n = self.numerics
+        B, S = o.shape[:2]
+        o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
+        o = o.reshape(B, S, self.o_groups, -1)
+        wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
+        return self.wo_b(attention_kernels(n).grouped_output(o, wo_a).flatten(2))
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, topo = self.numerics, self.topo
         B, S, _ = x.shape
         pos = ctx.positions
-        cos, sin = self.rotary.angles(pos)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
-        q = n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2)))
-        kv = n.round(self.rotary.apply(self.kv_norm(self.wkv(x)), cos, sin))
-        kv = n.window_kv(kv)
+        q, kv, qr, cos, sin = self.project(x, pos)
 
         index_scores = picks = view = None
         if topo.mode != LayerMode.WINDOW:
@@ -324,12 +343,7 @@ class Attention(nn.Module, NumericsMixin):
             ctx.indexer_losses.append(_indexer_kl(index_scores, picks, p_selected))
         if ctx.cache is not None:
             ctx.cache.window[topo.index].write(kv.detach(), pos, torch.ones_like(pos, dtype=torch.bool))
-
-        # Inverse RoPE at the query positions, then the block-diagonal grouped low-rank output (§5.11).
-        o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
-        o = o.reshape(B, S, self.o_groups, -1)
-        wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
-        return self.wo_b(attention_kernels(n).grouped_output(o, wo_a).flatten(2))
+        return self.output(o, cos, sin)
 
 
 # ---- the attention kernels of each numerics policy (chosen once: attention_kernels) --------------------------

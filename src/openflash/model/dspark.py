@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from openflash.config import FlashConfig, LayerMode, LayerTopology
-from openflash.model.attention import Attention, attention_kernels, reference_sparse_attention, sparse_attention
+from openflash.model.attention import Attention, reference_sparse_attention, sparse_attention
 from openflash.model.block import Block
 from openflash.model.cache import WindowStore
 from openflash.model.context import StepContext
@@ -48,32 +48,23 @@ class DraftAttention(Attention):
         self.stage = stage
 
     def target_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The ring entries of the target's positions: kv_norm(wkv(main_x)), RoPE, FP8 QDQ."""
-        n = self.numerics
-        cos, sin = self.rotary.angles(positions)
-        return n.window_kv(n.round(self.rotary.apply(self.kv_norm(self.wkv(main_x)), cos, sin)))
+        """The ring entries of the target's positions: the window KV of main_x (no attn_norm: spec B.3)."""
+        return self.window_entries(main_x, *self.rotary.angles(positions))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n = self.numerics
         B, S, _ = x.shape
-        pos = ctx.positions
-        cos, sin = self.rotary.angles(pos)
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, S, self.n_heads, self.head_dim)
-        q = n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2)))
-        kv = n.window_kv(n.round(self.rotary.apply(self.kv_norm(self.wkv(x)), cos, sin)))
+        q, kv, _, cos, sin = self.project(x, ctx.positions)
         ring: WindowStore = ctx.cache.draft[self.stage]
         if n.bf16_boundaries:
             o = _reference_draft_attention(self, q, kv, ring)
-        else:
+        else:  # keys: the ring's written slots and the whole block, for every draft position
             keys = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
             mask = torch.cat((ring.pos >= 0, torch.ones(B, S, dtype=torch.bool, device=x.device)), dim=1)
+            none = torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
             o, _ = sparse_attention(q, keys, mask.unsqueeze(1).expand(B, S, -1), kv.new_zeros(B, S, 0, kv.shape[-1]),
-                                    torch.zeros(B, S, 0, dtype=torch.bool, device=x.device), self.attn_sink.float(),
-                                    self.scale, n.round)
-        o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
-        o = o.reshape(B, S, self.o_groups, -1)
-        wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
-        return self.wo_b(attention_kernels(n).grouped_output(o, wo_a).flatten(2))
+                                    none, self.attn_sink.float(), self.scale, n.round)
+        return self.output(o, cos, sin)
 
 
 def _reference_draft_attention(attn: DraftAttention, q: torch.Tensor, kv: torch.Tensor,
