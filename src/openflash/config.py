@@ -273,7 +273,8 @@ class FlashConfig:
                     target_layer_ids: list[int] | None = None, markov_rank: int = 32,
                     n_routed_experts: int | None = None, num_experts_per_tok: int | None = None) -> "FlashConfig":
         """This config with a DSpark draft head added (defaults: the released rules at this model's size: the
-        last three layers as targets, the backbone's expert count, top-3, the pad token as noise: like the release's placeholder id, never in text)."""
+        last three layers as targets, the backbone's expert count, top-3, the pad token as noise: like the
+        release's placeholder id, it never occurs in text)."""
         n = self.num_hidden_layers
         extra = dict(self.extra_text)
         extra.update(dspark_block_size=block_size,

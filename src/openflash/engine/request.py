@@ -78,7 +78,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens whose state is in the cache
     num_cached: int = 0  # of those, tokens restored from the prefix cache
     cache: ModelCache | None = None  # own cache while prefilling (then owned by the runner's batch)
-    draft_hidden: torch.Tensor | None = None  # speculative decoding: main_hidden [1, 1, n*dim] of the last run position
+    draft_hidden: torch.Tensor | None = None  # speculative decoding: main_hidden [1, 1, n*dim] of the last run token
     finish_reason: str | None = None
     error: str | None = None
     # Text bookkeeping: `text` is the decoded output so far, cut at a stop string; `sent` chars have been emitted.
