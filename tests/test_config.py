@@ -149,3 +149,19 @@ def test_cli_config_show_json_and_errors(tmp_path):
     assert err.returncode == 2
     assert err.stderr.strip().count("\n") == 0 and "num_attention_heads (3)" in err.stderr
     assert "Traceback" not in err.stderr
+
+
+def test_dspark_config_and_its_errors():
+    from openflash.errors import ConfigError
+
+    cfg = load_config("tiny").with_dspark()
+    d = cfg.dspark
+    assert (d.stages, d.block_size, d.target_layer_ids, d.noise_token_id) == (3, 5, (5, 6, 7), cfg.pad_token_id)
+    assert len(cfg.compress_ratios) == cfg.num_hidden_layers + 3 and load_config("tiny").dspark is None
+    assert load_config("flash").dspark.n_routed_experts == 128
+    for bad, match in ((dict(noise_token_id=5000), "dspark_noise_token_id 5000 is outside the vocabulary"),
+                       (dict(target_layer_ids=[2, 99]), "dspark_target_layer_ids must be backbone layers"),
+                       (dict(block_size=1), "dspark_block_size must be >= 2"),
+                       (dict(num_experts_per_tok=9), "dspark_num_experts_per_tok")):
+        with pytest.raises(ConfigError, match=match):
+            load_config("tiny").with_dspark(**bad)
