@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openflash import formats
 from openflash.config import FlashConfig
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
@@ -134,6 +135,42 @@ class MoE(nn.Module, NumericsMixin):
         y = y + self.shared_experts(x).float()
         return self.numerics.round(y)
 
+    def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """Inference, same math as `_routed_grouped`: the (token, slot) pairs padded per selected expert into
+        [U, C, dim] and run through the U experts' stacked weights in three batched matmuls, with the quantization
+        and rounding points of `Expert.swiglu`; no Python call per expert beyond stacking its cached weights."""
+        n = self.numerics
+        N, k = ids.shape
+        active = counts.nonzero().flatten()
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        expert_of = flat[order]
+        slot = torch.full((self.n_experts,), -1, dtype=torch.long, device=x.device)
+        slot[active] = torch.arange(active.numel(), device=x.device)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=x.device) - starts[expert_of]
+        row = slot[expert_of]
+        pad_x = x.new_zeros(active.numel(), int(counts.max()), x.shape[-1])
+        pad_x[row, rank] = x[torch.div(order, k, rounding_mode="floor")].to(pad_x.dtype)
+        pad_w = x.new_zeros(pad_x.shape[:2], dtype=torch.float32)
+        pad_w[row, rank] = weights.flatten()[order]
+        experts = [self.experts[e] for e in active.tolist()]
+        w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in experts])
+                      for name in ("w1", "w3", "w2"))
+        first = experts[0]
+        quantized = first.w1.quantized and n.act_quant
+        xin = formats.act_quant_qdq(pad_x) if quantized else pad_x
+        gate = n.round(torch.bmm(xin.to(w1.dtype), w1.transpose(1, 2))).float().clamp(max=first.limit)
+        up = n.round(torch.bmm(xin.to(w3.dtype), w3.transpose(1, 2))).float().clamp(-first.limit, first.limit)
+        act = n.round(pad_w.unsqueeze(-1) * (F.silu(gate) * up))
+        act = formats.act_quant_qdq(act) if quantized else act
+        out = n.round(torch.bmm(act.to(w2.dtype), w2.transpose(1, 2))).float()
+        pairs = torch.empty(N * k, x.shape[-1], dtype=torch.float32, device=x.device)
+        pairs[order] = out[row, rank]
+        y = pairs.view(N, k, -1).sum(1) + self.shared_experts(x).float()
+        return self.numerics.round(y)
+
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        counts: torch.Tensor) -> torch.Tensor:
         """Training path (same math): one gather of the routed (token, slot) pairs sorted by expert, one
@@ -163,6 +200,19 @@ class MoeKernels:
         return moe._routed_grouped(x, weights, ids, counts)
 
 
+class BatchedMoeKernels(MoeKernels):
+    """fp32 / plain inference: decode-sized steps (up to BATCHED_PAIRS routed pairs) through `_routed_batched`;
+    larger ones (prefill), whose per-expert GEMMs amortize their calls, grouped by expert."""
+
+    BATCHED_PAIRS = 256
+
+    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        if ids.numel() <= self.BATCHED_PAIRS:
+            return moe._routed_batched(x, weights, ids, counts)
+        return moe._routed_grouped(x, weights, ids, counts)
+
+
 class TrainMoeKernels(MoeKernels):
     """Training, same math: one matmul for both input projections of a float expert (twice as wide: better use
     of the GEMM on few tokens) with a fused SwiGLU backward; routed pairs sorted by expert."""
@@ -180,4 +230,6 @@ class TrainMoeKernels(MoeKernels):
 
 @lru_cache(maxsize=None)
 def moe_kernels(numerics: Numerics) -> MoeKernels:
-    return TrainMoeKernels() if numerics.fused_train_ops else MoeKernels()
+    if numerics.fused_train_ops:
+        return TrainMoeKernels()
+    return BatchedMoeKernels() if numerics.batched_experts else MoeKernels()

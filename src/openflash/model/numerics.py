@@ -40,6 +40,9 @@ class Numerics:
     # Training speed: the same math through fused ops with hand-written backward passes (mHC, attention softmax,
     # routed experts); the summation order differs from the unfused ops, so only the `train` policy uses them.
     fused_train_ops: bool = False
+    # Inference: the routed experts of a decode-sized step in batched matmuls over the selected experts instead of
+    # one call per expert (model/moe.py); summation order differs in the last bits, so `reference` keeps the loop.
+    batched_experts: bool = True
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """Round to bf16 where the reference holds a bf16 tensor (no-op outside `reference`)."""
@@ -69,7 +72,7 @@ class Numerics:
 
 FP32 = Numerics("fp32", bf16_boundaries=False, act_quant=True, cache_qdq=True, straight_through=False)
 REFERENCE = Numerics("reference", bf16_boundaries=True, act_quant=True, cache_qdq=True, straight_through=False,
-                     stale_index_keys=True)
+                     stale_index_keys=True, batched_experts=False)
 TRAIN = Numerics("train", bf16_boundaries=False, act_quant=False, cache_qdq=True, straight_through=True,
                  fused_train_ops=True)
 
