@@ -168,6 +168,15 @@ def test_refusals(drafted):
     plain = Transformer(load_config("tiny"))
     with pytest.raises(OpenflashError, match="needs a model with a DSpark draft head"):
         LLMEngine(plain, tok, EngineConfig(speculative="dspark"))
+    # A target layer in the CED encoder half: bounded prefill cannot feed the drafter, exact prefill can.
+    torch.manual_seed(0)
+    early = Transformer(load_config("tiny").with_dspark(target_layer_ids=[0, 6, 7])).eval()
+    assert not early.cfg.dspark_bounded_ok and model.cfg.dspark_bounded_ok
+    with pytest.raises(OpenflashError, match="use --prefill-mode exact"):
+        LLMEngine(early, tok, EngineConfig(speculative="dspark", prefill_mode="bounded"))
+    engine = LLMEngine(early, tok, EngineConfig(speculative="dspark", prefill_mode="exact"))
+    out = engine.generate([_prompts((20,), early.cfg.vocab_size)[0]], SamplingParams(max_tokens=6), ignore_eos=True)
+    assert len(out[0].output_ids) == 6
 
 
 def test_metrics_report_acceptance(drafted):

@@ -264,6 +264,13 @@ class FlashConfig:
                             tuple(int(i) for i in extra["dspark_target_layer_ids"]), int(extra["dspark_markov_rank"]),
                             int(extra["dspark_n_routed_experts"]), int(extra["dspark_num_experts_per_tok"]))
 
+    @property
+    def dspark_bounded_ok(self) -> bool:
+        """Bounded prefill (architecture.md §7.3) can feed the drafter: every target layer is in the CED decoder
+        half, which runs on the replayed tail (encoder-half streams are not kept for it)."""
+        d, split = self.dspark, self.topology.decoder_start
+        return d is not None and (split >= self.num_hidden_layers or min(d.target_layer_ids) >= split)
+
     def dspark_stage_config(self) -> "FlashConfig":
         """The config a draft stage's MoE is built from: the backbone's, with the stage expert count and top-k."""
         d = self.dspark

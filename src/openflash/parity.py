@@ -124,16 +124,16 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
         ours[f"decode{t}.next_token"] = logits.argmax(-1)
         generated.append(int(logits.argmax(-1)[0]))
         if drafting:
-            _draft_step(model, cache, hidden, logits.argmax(-1), f"decode{t}.spec.", teacher, ours)
+            last_draft = _draft_step(model, cache, hidden, logits.argmax(-1), f"decode{t}.spec.", teacher, ours)
     ours["generated_tokens"] = torch.tensor([generated])
     if drafting:
-        _verify_round(model, memory, cache, expected, ours)
+        _verify_round(model, memory, cache, expected, last_draft, ours)
     return compare(ours, expected, numerics)
 
 
 def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefix: str,
-                teacher: dict[str, torch.Tensor] | None, ours: dict[str, torch.Tensor]) -> None:
-    """One forward_spec after a decode step: the drafts, and every intermediate the golden records."""
+                teacher: dict[str, torch.Tensor] | None, ours: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward_spec after a decode step: every intermediate the golden records; returns the drafts."""
     cfg = model.cfg
     probe = GoldenProbe(prefix, teacher)
     draft = model.draft(anchor, hidden, cache, choose=lambda logits, i: logits.argmax(-1), probe=probe)
@@ -150,9 +150,10 @@ def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefi
     p = int(cache.pos[0]) - 1
     for m, ring in enumerate(cache.draft):
         ours[f"{prefix}mtp{m}.main_kv"] = ring.kv[:, p % ring.kv.shape[1]].clone()
+    return draft.tokens[:, 1:]
 
 
-def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch.Tensor],
+def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch.Tensor], last_draft: torch.Tensor,
                   ours: dict[str, torch.Tensor]) -> None:
     """The golden's speculative round: the target on [y, d_1..d_B] one token at a time (as the reference can),
     greedy acceptance, the committed tokens."""
@@ -167,8 +168,7 @@ def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch
     accepted = 0
     while accepted < drafts.shape[1] and targets[accepted] == int(drafts[0, accepted]):
         accepted += 1
-    last_draft = max(int(k.split(".")[0][len("decode"):]) for k in ours if k.startswith("decode") and ".spec." in k)
-    ours["spec_round.draft_tokens"] = ours[f"decode{last_draft}.spec.output_ids"][:, 1:]
+    ours["spec_round.draft_tokens"] = last_draft
     ours["spec_round.target_tokens"] = torch.tensor([targets])
     ours["spec_round.accepted_length"] = torch.tensor([accepted])
     ours["spec_round.committed_tokens"] = torch.tensor([[int(t) for t in drafts[0, :accepted]] + [targets[accepted]]])

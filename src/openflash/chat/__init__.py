@@ -29,6 +29,6 @@ def chat_format(tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: in
     """The chat format for a model's tokenizer: "auto", "deepseek-v4.1" or "simple"."""
     if template not in CHAT_TEMPLATES:
         raise ConfigError(f"chat template must be one of {list(CHAT_TEMPLATES)}, got {template!r}")
-    if template == DeepSeekV41Format.name or (template == "auto" and DeepSeekV41Format.suits(tokenizer)):
+    if template == DeepSeekV41Format.name or (template == "auto" and not DeepSeekV41Format.missing_tokens(tokenizer)):
         return DeepSeekV41Format(tokenizer, eos_token_id)
     return SimpleFormat(tokenizer, bos_token_id, eos_token_id)

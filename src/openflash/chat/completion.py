@@ -34,6 +34,11 @@ class _State(enum.Enum):
     TEXT = "text"  # answer text, no more parsing (no tools, or after a malformed block)
 
 
+def _separator(text: str) -> int:
+    """Length of the trailing newlines of `text` that belong to the blank line before a calls block (at most 2)."""
+    return min(len(dsml.BLOCK_SEPARATOR), len(text) - len(text.rstrip("\n")))
+
+
 def _held(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -52,7 +57,6 @@ class CompletionParser:
         self.state = _State.REASONING if thinking else (_State.CONTENT if tools else _State.TEXT)
         self.buf = ""
         self.block_raw = ""  # text of the current calls block not yet accounted for by a read call
-        self.calls_read = 0
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
@@ -95,7 +99,7 @@ class CompletionParser:
         start = self.buf.find(dsml.CALLS_OPEN)
         if start >= 0:
             text = self.buf[:start]
-            sep = min(len(dsml.BLOCK_SEPARATOR), len(text) - len(text.rstrip("\n")))  # the blank line before it
+            sep = _separator(text)
             out.append(Content(text[:len(text) - sep]))
             self.block_raw = text[len(text) - sep:] + dsml.CALLS_OPEN
             self.buf = self.buf[start + len(dsml.CALLS_OPEN):]
@@ -108,7 +112,7 @@ class CompletionParser:
         # Hold a possible marker start and the blank line that would precede it.
         keep = _held(self.buf, dsml.CALLS_OPEN)
         head = self.buf[:len(self.buf) - keep]
-        keep += min(len(dsml.BLOCK_SEPARATOR), len(head) - len(head.rstrip("\n")))
+        keep += _separator(head)
         out.append(Content(self.buf[:len(self.buf) - keep]))
         self.buf = self.buf[len(self.buf) - keep:]
 
@@ -133,7 +137,6 @@ class CompletionParser:
                 self._malformed(out, str(exc))
                 return
             out.append(call)
-            self.calls_read += 1
             self.block_raw = ""
             self.buf = stripped[end:]
             return

@@ -142,12 +142,12 @@ def _opens_reply(messages: list[_Message], i: int) -> bool:
 
 
 class DeepSeekV41Format:
-    """The V4.1 chat format (see the module docstring); `suits` says whether a tokenizer can take it."""
+    """The V4.1 chat format (see the module docstring); `missing_tokens` says what a tokenizer lacks for it."""
 
     name = "deepseek-v4.1"
 
     def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None) -> None:
-        missing = [t for t in REQUIRED_TOKENS if tokenizer.token_to_id(t) is None]
+        missing = self.missing_tokens(tokenizer)
         if missing:
             raise ConfigError(f"the deepseek-v4.1 chat template needs the released tokenizer; this one lacks the "
                               f"tokens {missing} (use --chat-template simple)")
@@ -157,8 +157,9 @@ class DeepSeekV41Format:
         self.think_end_id = tokenizer.token_to_id(THINK_END)
 
     @staticmethod
-    def suits(tokenizer: Tokenizer) -> bool:
-        return all(tokenizer.token_to_id(t) is not None for t in REQUIRED_TOKENS)
+    def missing_tokens(tokenizer: Tokenizer) -> list[str]:
+        """The V4.1 tokens the tokenizer lacks (none: the format suits it)."""
+        return [t for t in REQUIRED_TOKENS if tokenizer.token_to_id(t) is None]
 
     def check(self, options: ChatOptions) -> None:
         effort_budget(options.reasoning_effort)

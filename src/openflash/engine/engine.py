@@ -147,6 +147,10 @@ class LLMEngine:
         k = d.block_size if config.num_speculative_tokens is None else config.num_speculative_tokens
         if not 1 <= k <= d.block_size:
             raise OpenflashError(f"num_speculative_tokens must be in 1..{d.block_size} (the drafter's block), got {k}")
+        if config.prefill_mode == "bounded" and not model.cfg.dspark_bounded_ok:
+            raise OpenflashError(f"this model's DSpark target layers {list(d.target_layer_ids)} reach into the CED "
+                                 f"encoder half (layers < {model.cfg.topology.decoder_start}), which bounded prefill "
+                                 f"does not keep: use --prefill-mode exact with speculative decoding")
         return k
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------

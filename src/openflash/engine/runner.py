@@ -57,9 +57,14 @@ class ModelRunner:
         self.regroups = 0
 
     # ---- model calls ------------------------------------------------------------------------------------------
-    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool) -> torch.Tensor | None:
+    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
+              hidden: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+        """The model on ids after cache, with the Engram rows prepared first; with `hidden`, also the drafter's
+        input (Transformer.step_hidden)."""
         rows = self.memory.prepare(ids, cache)
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows)
+        if hidden:
+            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows)
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows), None
 
     def new_cache(self) -> ModelCache:
         return self.factory.empty(1)
@@ -72,15 +77,10 @@ class ModelRunner:
                                f"{seq.num_prefilled} tokens in its cache")
         ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
         last = end == seq.prompt_len
-        if not self.drafts:
-            logits = self._step(ids, seq.cache, self.prefill_mode, last)
-        else:  # the drafter's rings take the target's hidden states of the positions the target layers ran on
-            rows = self.memory.prepare(ids, seq.cache)
-            logits, hidden = self.model.step_hidden(ids, seq.cache, mode=self.prefill_mode, last_chunk=last,
-                                                    engram=rows)
-            if hidden is not None:
-                self.model.draft_seed(hidden, seq.cache)
-                seq.draft_hidden = hidden.values[:, -1:]
+        logits, hidden = self._step(ids, seq.cache, self.prefill_mode, last, hidden=bool(self.drafts))
+        if hidden is not None:  # the drafter's rings take the positions the target layers ran on
+            self.model.draft_seed(hidden, seq.cache)
+            seq.draft_hidden = hidden.values[:, -1:]
         seq.num_prefilled = end
         return None if logits is None else logits[0]
 
@@ -88,9 +88,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
         """One token for each sequence (its last sampled token as input). Returns the sequences in batch-row
         order and their logits [B, V]."""
-        self._regroup(seqs)
-        by_id = {s.request_id: s for s in seqs}
-        ordered = [by_id[r] for r in self.batch_ids]
+        ordered = self._regroup(seqs)
         tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
         rows = self.memory.prepare(tokens.unsqueeze(1), self.batch)
         logits = self.model.decode(tokens, self.batch, engram=rows)
@@ -102,9 +100,7 @@ class ModelRunner:
     def speculate(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Acceptance]]:
         """One speculative round for every sequence (engine/speculative.py): returns the sequences in batch-row
         order and what each accepted. The batch cache ends after each row's committed tokens but the last."""
-        self._regroup(seqs)
-        by_id = {s.request_id: s for s in seqs}
-        ordered = [by_id[r] for r in self.batch_ids]
+        ordered = self._regroup(seqs)
         batch, model = self.batch, self.model
         # Rows near max_tokens need fewer drafts; one K for the batch keeps the verify step rectangular.
         k = max(0, min([self.drafts] + [s.params.max_tokens - len(s.output_ids) - 1 for s in ordered]))
@@ -112,8 +108,11 @@ class ModelRunner:
         start = batch.pos.clone()
         hidden = TargetHidden(torch.cat([s.draft_hidden for s in ordered]), (start - 1).unsqueeze(1))
         chooser = DraftChooser([s.sampler for s in ordered])
-        draft = model.draft(anchor, hidden, batch, chooser)
-        ids = draft.tokens[:, :k + 1]
+        if k:
+            ids = model.draft(anchor, hidden, batch, chooser).tokens[:, :k + 1]
+        else:  # no room for drafts: a plain step (the rings still take the last position)
+            model.draft_seed(hidden, batch)
+            ids = anchor.unsqueeze(1)
         logits, verified = model.step_hidden(ids, batch, engram=self.memory.prepare(ids, batch), all_logits=True)
         results = []
         for b, seq in enumerate(ordered):
@@ -130,10 +129,12 @@ class ModelRunner:
         return ordered, results
 
     # ---- batch membership ---------------------------------------------------------------------------------------
-    def _regroup(self, seqs: list[Sequence]) -> None:
+    def _regroup(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Make the batch cache hold exactly these sequences; returns them in batch-row order."""
         wanted = {s.request_id for s in seqs}
+        by_id = {s.request_id: s for s in seqs}
         if set(self.batch_ids) == wanted and len(self.batch_ids) == len(seqs):
-            return
+            return [by_id[r] for r in self.batch_ids]
         self.remove([r for r in self.batch_ids if r not in wanted])
         joining = [s for s in seqs if s.request_id not in set(self.batch_ids)]
         parts = ([self.batch] if self.batch is not None else []) + [s.cache for s in joining]
@@ -148,6 +149,7 @@ class ModelRunner:
         for s in joining:
             s.cache = None  # the batch owns its state now
         self.regroups += 1
+        return [by_id[r] for r in self.batch_ids]
 
     def remove(self, request_ids: list[str]) -> None:
         """Drop rows from the decode batch now (their KV blocks go back to the pool)."""

@@ -211,6 +211,9 @@ class Transformer(nn.Module):
             return (logits if all_logits else logits[:, -1]), self._hidden(ctx)
 
         # Bounded replay: encoder on every token, plus the decoder KV owner's compressor and index keys.
+        if hidden and not self.cfg.dspark_bounded_ok:
+            raise ValueError(f"DSpark target layers {list(self.cfg.dspark.target_layer_ids)} reach into the CED "
+                             f"encoder half (layers < {split}): the drafter's input needs exact prefill")
         residual, pre = self._layers(residual, pre, range(split), ctx, engram, image_mask)
         owner = self.layers[split]
         owner_x = owner.attn_norm(collapse(residual, pre, self.numerics))
@@ -222,11 +225,9 @@ class Transformer(nn.Module):
         replay, cache.replay = cache.replay, None
         tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
                                compressed={split: ctx.compressed[split]}, probe=probe,
-                               taps={i: v for i, v in ctx.taps.items() if i >= split} if hidden else {})
+                               taps=self._taps() if hidden else {})
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      None)
-        if hidden and any(v is None for v in tail_ctx.taps.values()):
-            raise ValueError("DSpark target layers in the CED encoder half need exact prefill (--prefill-mode exact)")
         return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1], self._hidden(tail_ctx)
 
     def _taps(self) -> dict[int, torch.Tensor | None]:

@@ -124,7 +124,7 @@ class _Job:
                continuation: Forcing | None = None) -> None:
         index = len(self.choices)
         first = params
-        if continuation is not None and continuation.after_token is not None:  # stop there, then force the text
+        if continuation is not None:  # stop at its token, then force the text (_continue)
             first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
         seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos)
         self.choices.append(_Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
@@ -273,9 +273,9 @@ class OpenflashServer:
             return [list(p)]
         return [self.encode(x) if isinstance(x, str) else list(x) for x in p]
 
-    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> tuple[list[int], Forcing | None]:
-        """Token ids of the rendered conversation (with forced text that starts the completion at once), and the
-        forcing that waits for the model's reasoning to end."""
+    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> tuple[list[int], str, Forcing | None]:
+        """Token ids of the rendered conversation; the forced text already at its end ("" if none), which the
+        reply's parser reads first; and a forcing that waits for the model's reasoning to end."""
         fmt = self.config.chat_format
         try:
             fmt.check(options)
@@ -283,9 +283,9 @@ class OpenflashServer:
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param or "messages", code="invalid_value") from None
         forcing = fmt.forcing(options)
-        if forcing is not None and forcing.after_token is None:
-            text += forcing.text
-        return self.encode(text, add_special_tokens=False), forcing
+        if forcing is None or forcing.after_token is not None:
+            return self.encode(text, add_special_tokens=False), "", forcing
+        return self.encode(text + forcing.text, add_special_tokens=False), forcing.text, None
 
     def chat_options(self, body: ChatCompletionRequest) -> ChatOptions:
         try:
@@ -381,7 +381,7 @@ class OpenflashServer:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
         options = self.chat_options(body)
-        ids, forcing = await self.off_loop(self.chat_prompt, body.messages, options)
+        ids, forced, deferred = await self.off_loop(self.chat_prompt, body.messages, options)
         self.check_ids(ids, "messages")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
@@ -392,10 +392,9 @@ class OpenflashServer:
             for _ in range(body.n):
                 params = self.sampling(body, max_tokens, len(job.choices))
                 parser, reply = fmt.parser(options), ChatReply()
-                if forcing is not None and forcing.after_token is None:
-                    reply.add(parser.feed(forcing.text))  # the forced text opens a call: nothing final yet
+                reply.add(parser.feed(forced))  # the forced text opens a call: nothing final yet
                 self.submit(job, ids, params, body.ignore_eos, "messages", parser=parser, reply=reply,
-                            continuation=forcing if forcing is not None and forcing.after_token is not None else None)
+                            continuation=deferred)
         except APIError:
             job.abort_unfinished()
             raise
@@ -436,7 +435,8 @@ class OpenflashServer:
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if body.messages is not None:
-            ids, _ = await self.off_loop(self.chat_prompt, body.messages, ChatOptions(self.config.thinking_default))
+            ids, _, _ = await self.off_loop(self.chat_prompt, body.messages,
+                                            ChatOptions(self.config.thinking_default))
         else:
             ids = await self.off_loop(self.encode, body.prompt)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context)

@@ -186,9 +186,6 @@ class ChatMessage(BaseModel):
             parts.append(part.text)
         return parts
 
-    def text(self) -> str:
-        return "".join(self.parts())
-
 
 class ToolChoiceFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")

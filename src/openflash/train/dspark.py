@@ -103,28 +103,30 @@ def drafter_loss(model: Transformer, tokens: torch.Tensor, target_logits: torch.
     d, W = model.cfg.dspark, model.cfg.sliding_window
     size = d.block_size
     B, A = anchors.shape
-    rows = torch.arange(B).unsqueeze(1)
+    dev = tokens.device
+    rows = torch.arange(B, device=dev).unsqueeze(1)
+    block = torch.arange(size, device=dev)
     x = dspark.main_x(model.mtp, main_hidden)
-    positions = torch.arange(tokens.shape[1]).expand(B, -1)
-    ring_pos = anchors.unsqueeze(-1) - W + 1 + torch.arange(W)  # [B, A, W]: positions p-W+1 .. p
+    positions = torch.arange(tokens.shape[1], device=dev).expand(B, -1)
+    ring_pos = anchors.unsqueeze(-1) - W + 1 + torch.arange(W, device=dev)  # [B, A, W]: positions p-W+1 .. p
     valid = ring_pos >= 0
     rings = []
     for stage in model.mtp:
         kv = stage.attn.target_kv(x, positions)  # [B, S, head_dim], with gradient
         ring_kv = kv[rows.unsqueeze(-1), ring_pos.clamp(min=0)] * valid.unsqueeze(-1)
         rings.append(WindowCache(ring_kv.flatten(0, 1), torch.where(valid, ring_pos, -1).flatten(0, 1)))
-    block_pos = (anchors.unsqueeze(-1) + 1 + torch.arange(size)).flatten(0, 1)  # [N, size]
+    block_pos = (anchors.unsqueeze(-1) + 1 + block).flatten(0, 1)  # [N, size]
     cache = ModelCache(pos=block_pos[:, 0], window=[], compressed={}, engram=None, draft=rings)
     ctx = StepContext(block_pos, model.numerics, cache=cache)
-    truth = tokens[rows.unsqueeze(-1), (anchors.unsqueeze(-1) + 2 + torch.arange(size))].flatten(0, 1)  # [N, size]
+    truth = tokens[rows.unsqueeze(-1), anchors.unsqueeze(-1) + 2 + block].flatten(0, 1)  # [N, size]
     anchor_ids = tokens[rows, anchors + 1].flatten()
     draft = dspark.draft_block(model.embed, model.head, model.mtp, anchor_ids, ctx, d.noise_token_id,
                                choose=lambda logits, i: truth[:, i])
-    target = target_logits[rows.unsqueeze(-1), (anchors.unsqueeze(-1) + 1 + torch.arange(size))].flatten(0, 1)
+    target = target_logits[rows.unsqueeze(-1), anchors.unsqueeze(-1) + 1 + block].flatten(0, 1)
     p = torch.softmax(target.float(), dim=-1)
     log_q = F.log_softmax(draft.logits, dim=-1)
     q = log_q.exp()
-    weights = torch.exp(-torch.arange(size, dtype=torch.float32) / cfg.gamma)
+    weights = torch.exp(-block.float() / cfg.gamma)
     ce = (F.nll_loss(log_q.flatten(0, 1), truth.flatten(), reduction="none").view(-1, size).mean(0) * weights).sum()
     ce = ce / weights.sum()
     l1 = (q - p).abs().sum(-1)
