@@ -141,20 +141,20 @@ def write_target(stages: nn.ModuleList, main_hidden: torch.Tensor, positions: to
     return x
 
 
-def draft_block(embed: nn.Embedding, head: Linear, stages: nn.ModuleList, anchor: torch.Tensor, ctx: StepContext,
-                noise_token_id: int, choose: Callable[[torch.Tensor, int], torch.Tensor]) -> Draft:
-    """Draft the block [anchor, noise...] at ctx.positions (the rings hold the target before the anchor).
-    `choose(logits [B, V], i)` picks the token after block row i (argmax, or a sample)."""
-    n = ctx.numerics
-    B = anchor.shape[0]
-    size = ctx.positions.shape[1]
-    ids = torch.full((B, size), noise_token_id, dtype=torch.long, device=anchor.device)
+def block_ids(anchor: torch.Tensor, size: int, noise_token_id: int) -> torch.Tensor:
+    """The draft block [anchor, noise x (size - 1)] of each row [B, size]."""
+    ids = torch.full((anchor.shape[0], size), noise_token_id, dtype=torch.long, device=anchor.device)
     ids[:, 0] = anchor
-    h = n.round(embed(ids).float())
-    hc = stages[0].hc
-    residual = h.unsqueeze(2).expand(B, size, hc, h.shape[-1]).contiguous()
-    pre = torch.zeros(B, size, hc, device=h.device)
-    pre[..., 0] = 1.0
+    return ids
+
+
+def draft_block(head: Linear, stages: nn.ModuleList, anchor: torch.Tensor, residual: torch.Tensor,
+                pre: torch.Tensor, ctx: StepContext, choose: Callable[[torch.Tensor, int], torch.Tensor]) -> Draft:
+    """Draft the block whose streams (the target's embedding of `block_ids`, Transformer.streams) are `residual`,
+    `pre`, at ctx.positions (the rings hold the target before the anchor). `choose(logits [B, V], i)` picks the
+    token after block row i (argmax, or a sample)."""
+    n = ctx.numerics
+    size = ctx.positions.shape[1]
     for m, stage in enumerate(stages):
         residual, pre = stage(residual, pre, ctx)
         ctx.put(f"mtp{m}.out", residual)

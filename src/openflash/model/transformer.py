@@ -109,7 +109,8 @@ class Transformer(nn.Module):
                                 draft=bool(self.mtp))
 
     # ---- pieces ---------------------------------------------------------------------------------------------
-    def _streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mHC residual streams of tokens [B, S]: hc copies of the embedding, and the one-hot first pre mix."""
         h = self.numerics.round(self.embed(input_ids).float())
         residual = h.unsqueeze(2).expand(*h.shape[:2], self.cfg.hc_mult, h.shape[-1]).contiguous()
         pre = torch.zeros(*h.shape[:2], self.cfg.hc_mult, device=h.device)
@@ -151,7 +152,7 @@ class Transformer(nn.Module):
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
                           taps=self._taps() if hidden else {})
-        residual, pre = self._streams(input_ids)
+        residual, pre = self.streams(input_ids)
         residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, image_mask)
         logits = self._logits(residual, pre, ctx)
         loss = None
@@ -199,7 +200,7 @@ class Transformer(nn.Module):
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps)
-        residual, pre = self._streams(input_ids)
+        residual, pre = self.streams(input_ids)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         if mode == "exact" and cache.replay is not None:
             raise ValueError("this cache has a pending bounded-replay prefill; finish it in 'bounded' mode")
@@ -245,11 +246,12 @@ class Transformer(nn.Module):
     # ---- DSpark drafting -------------------------------------------------------------------------------------
     @torch.no_grad()
     def draft_seed(self, hidden: TargetHidden, cache: ModelCache, valid: torch.Tensor | None = None,
-                   probe: Probe | None = None) -> None:
-        """Write the target's KV of hidden.positions (where `valid`) into every draft stage's ring."""
+                   probe: Probe | None = None) -> torch.Tensor:
+        """Write the target's KV of hidden.positions (where `valid`) into every draft stage's ring; returns main_x."""
         x = dspark.write_target(self.mtp, hidden.values, hidden.positions, cache.draft, valid)
         if probe is not None:
             probe.record("main_x", x)
+        return x
 
     @torch.no_grad()
     def draft(self, anchor: torch.Tensor, hidden: TargetHidden, cache: ModelCache,
@@ -257,11 +259,12 @@ class Transformer(nn.Module):
         """Draft `block_size` tokens after each row's anchor [B], the token at position cache.pos (not yet run by
         the target); `hidden`: main_hidden of position cache.pos - 1, whose KV is written into the rings first."""
         d = self.cfg.dspark
-        x = dspark.write_target(self.mtp, hidden.values, hidden.positions, cache.draft)
+        x = self.draft_seed(hidden, cache)
         positions = cache.pos.unsqueeze(1) + torch.arange(d.block_size, device=anchor.device)
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe)
         ctx.put("main_x", x)
-        return dspark.draft_block(self.embed, self.head, self.mtp, anchor, ctx, d.noise_token_id, choose)
+        residual, pre = self.streams(dspark.block_ids(anchor, d.block_size, d.noise_token_id))
+        return dspark.draft_block(self.head, self.mtp, anchor, residual, pre, ctx, choose)
 
     @torch.no_grad()
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
@@ -280,7 +283,7 @@ class Transformer(nn.Module):
         ctx = StepContext(positions, self.numerics, cache=cache, compressed=views)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok
-        residual, pre = self._streams(input_ids)
+        residual, pre = self.streams(input_ids)
         residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, engram, None)
         if bounded:
             cache.replay = ReplayBuffer(residual, pre, positions)

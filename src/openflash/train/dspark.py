@@ -120,7 +120,8 @@ def drafter_loss(model: Transformer, tokens: torch.Tensor, target_logits: torch.
     ctx = StepContext(block_pos, model.numerics, cache=cache)
     truth = tokens[rows.unsqueeze(-1), anchors.unsqueeze(-1) + 2 + block].flatten(0, 1)  # [N, size]
     anchor_ids = tokens[rows, anchors + 1].flatten()
-    draft = dspark.draft_block(model.embed, model.head, model.mtp, anchor_ids, ctx, d.noise_token_id,
+    residual, pre = model.streams(dspark.block_ids(anchor_ids, size, d.noise_token_id))
+    draft = dspark.draft_block(model.head, model.mtp, anchor_ids, residual, pre, ctx,
                                choose=lambda logits, i: truth[:, i])
     target = target_logits[rows.unsqueeze(-1), anchors.unsqueeze(-1) + 1 + block].flatten(0, 1)
     p = torch.softmax(target.float(), dim=-1)
