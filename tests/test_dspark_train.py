@@ -55,3 +55,10 @@ def test_train_drafter_from_the_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "openflash.cli", "train", "--dspark", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--dspark needs --init" in bad.stderr
+    gen = [sys.executable, "-m", "openflash.cli", "generate", "--model", str(tmp_path / "drafted"), "--prompt",
+           "def wrap(text):", "--max-tokens", "12", "--speculative", "dspark"]
+    out = subprocess.run(gen, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "12 generated" in out.stdout and "tokens per verification" in out.stdout, out.stderr
+    out = subprocess.run(gen + ["--num-speculative-tokens", "9"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "num_speculative_tokens must be in 1..5" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -467,6 +467,10 @@ def test_serve_refuses_bad_limits(capsys):
 
     assert cli_main(["serve", "--model", "tiny", "--max-request-bytes", "0"]) == 2
     assert "--max-request-bytes must be >= 1 (got 0)" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", "tiny", "--thinking"]) == 2  # the preset's tokenizer: the simple template
+    assert "--thinking needs the deepseek-v4.1 chat template; this model's is 'simple'" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", "tiny", "--speculative", "dspark"]) == 2
+    assert "needs a model with a DSpark draft head" in capsys.readouterr().err
 
 
 def test_openflash_serve_command(tmp_path):

@@ -38,10 +38,11 @@ def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams
     """`generate --speculative dspark`: the engine's speculative rounds on one request."""
     from openflash.engine.engine import EngineConfig, LLMEngine
 
+    ids = loaded.tokenizer.encode(args.prompt).ids
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_batch=1, max_context=len(loaded.tokenizer.encode(args.prompt).ids) + args.max_tokens + 1,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens), loaded.memory())
-    seq = engine.generate([args.prompt], params)[0]
+        max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens), loaded.memory())
+    seq = engine.generate([ids], params)[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
     print(f"# {loaded.note}")

@@ -12,6 +12,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from openflash.engine.request import Sequence
+from openflash.engine.speculative import Acceptance
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -85,7 +86,7 @@ class EngineMetrics:
         else:
             self.itl.observe(now - seq.token_times[-2])
 
-    def record_rounds(self, rounds: list) -> None:
+    def record_rounds(self, rounds: list[Acceptance]) -> None:
         """Speculative rounds (engine/speculative.py Acceptance): one per sequence and step."""
         for r in rounds:
             self.spec_rounds += 1
