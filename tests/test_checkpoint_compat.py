@@ -16,22 +16,23 @@ from openflash.checkpoint import TOKEN_MAP_FILE, load_checkpoint
 from openflash.config import load_config
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
-from openflash.errors import ConfigError
+from openflash.errors import CheckpointError, ConfigError
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
+GOLDEN_B2 = Path(__file__).parent / "goldens" / "B2"
 
 
-def _golden_copy(tmp_path: Path, edit_config=None, edit_tensors=None) -> Path:
+def _golden_copy(tmp_path: Path, edit_config=None, edit_tensors=None, golden: Path = GOLDEN_A) -> Path:
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    config = json.loads((GOLDEN_A / "config.json").read_text())
+    config = json.loads((golden / "config.json").read_text())
     if edit_config is not None:
         edit_config(config)
     (folder / "config.json").write_text(json.dumps(config))
-    tensors = load_file(str(GOLDEN_A / "model.safetensors"))
+    tensors = load_file(str(golden / "model.safetensors"))
     if edit_tensors is not None:
         edit_tensors(tensors)
     save_file(tensors, str(folder / "model.safetensors"))
@@ -59,13 +60,27 @@ def test_ue8m0_scales_stored_as_u8(tmp_path):
     assert model.layers[0].attn.wq_a.scale.dtype == torch.float8_e8m0fnu
 
 
-def test_text_only_writer_leaves_out_bias_vl(tmp_path, caplog):
-    folder = _golden_copy(tmp_path, edit_config=lambda c: c["vision_config"].update(num_hidden_layers=2))
+def test_writer_that_leaves_out_bias_vl(tmp_path, caplog):
+    def drop_bias_vl(tensors):
+        for name in [n for n in tensors if n.endswith("gate.bias_vl")]:
+            del tensors[name]
+
+    folder = _golden_copy(tmp_path, edit_tensors=drop_bias_vl, golden=GOLDEN_B2)
     with caplog.at_level(logging.INFO, logger="openflash.checkpoint"):
         model, _ = load_checkpoint(folder)
     assert model.cfg.has_vision
     assert torch.equal(model.layers[1].ffn.gate.bias_vl, torch.zeros_like(model.layers[1].ffn.gate.bias_vl))
     assert any("set to zeros" in r.message and "bias_vl" in r.message for r in caplog.records)
+
+
+def test_vision_config_without_vision_tensors_is_named(tmp_path):
+    def drop_vision(tensors):
+        for name in [n for n in tensors if n.startswith(("vision.", "aligner.", "image_"))]:
+            del tensors[name]
+
+    folder = _golden_copy(tmp_path, edit_tensors=drop_vision, golden=GOLDEN_B2)
+    with pytest.raises(CheckpointError, match=r"vision tower \(vision_config.num_hidden_layers = 2\).*none of its"):
+        load_checkpoint(folder)
 
 
 SHORT_NAMES = {"rms_norm_eps": "norm_eps", "qk_rope_head_dim": "rope_head_dim", "scoring_func": "score_func",

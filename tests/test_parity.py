@@ -25,6 +25,10 @@ def test_reference_numerics_match_every_recorded_output(golden):
                    "prefill.block0.gate_indices", "engram.token_map"):
         assert needed in keys
     assert any(k.endswith(".topk") for k in keys)
+    if (golden / "image0.png").exists():  # B2: preprocessing, ViT, aligner and the merge were compared too
+        for needed in ("inputs.image0.patches", "inputs.image1.types", "prefill.image0.vit_out",
+                       "prefill.image1.aligner_out", "prefill.embed_merged"):
+            assert needed in keys, needed
 
 
 @pytest.mark.parametrize("golden", GOLDENS, ids=[g.name for g in GOLDENS])

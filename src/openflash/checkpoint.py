@@ -7,8 +7,8 @@ bf16/f32 tensors become fp32 parameters; `attn.wo_a` is dequantized once (the re
 A folder holds `config.json` and either `model.safetensors` or shards with `model.safetensors.index.json`;
 tensors are read straight from the memory-mapped files, once.
 
-Loading checks every name, shape and dtype and reports all problems at once. Tensors of parts openflash does not
-implement (the vision tower) are listed and skipped, never silently.
+Loading checks every name, shape and dtype and reports all problems at once. The vision tower (`vision.*`,
+`aligner.*`, `image_start` / `image_end` / `image_newline`) loads like the rest, bf16 promoted to fp32.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
 
-# Parts of the released checkpoint this package does not implement (vision_and_dspark.md).
-UNIMPLEMENTED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 _TORCH_TO_ST = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8",
                 torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
@@ -206,12 +205,12 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     present = set(files.names())
     zero_filled: list[str] = []
     state: dict[str, torch.Tensor] = {}
+    if cfg.vision is not None and not any(n.startswith(VISION_PREFIXES) for n in present):
+        raise CheckpointError(f"{folder}: config.json has a vision tower (vision_config.num_hidden_layers = "
+                              f"{cfg.vision.num_hidden_layers}) but the checkpoint holds none of its tensors "
+                              f"(vision.*, aligner.*, image_start/end/newline); a text-only copy needs "
+                              f"vision_config.num_hidden_layers = 0")
     for name in sorted(present):
-        prefix = next((p for p in UNIMPLEMENTED_PREFIXES if name.startswith(p)), None)
-        if prefix is not None:
-            key = f"{prefix.rstrip('.')} (not implemented)"
-            report.skipped[key] = report.skipped.get(key, 0) + 1
-            continue
         if name not in expected and not (name.endswith("wo_a.scale") and name[:-5] + "weight" in expected):
             problems.append(f"unexpected tensor {name}")
     for name, meta in expected.items():

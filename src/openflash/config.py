@@ -26,7 +26,7 @@ from openflash.errors import ConfigError
 
 log = logging.getLogger("openflash.config")
 
-PRESETS = ("flash", "tiny", "small")
+PRESETS = ("flash", "tiny", "small", "tiny-vl")
 
 # Reference flat key (inference/config.json) -> HF text_config key, where they differ (spec: architecture.md §1).
 REFERENCE_TO_HF = {
@@ -164,6 +164,54 @@ class DSparkConfig:
     num_experts_per_tok: int
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower and aligner (vision_and_dspark.md §A.1; HF `vision_config`): a ViT over 14x14 patches and a
+    3x3 pixel-unshuffle MLP into the text model's width; an image costs at most `max_image_tokens` positions."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    patch_size: int
+    rope_theta: float
+    downsample_ratio: int
+    max_image_tokens: int  # LLM positions per image, delimiters included
+    min_pixels: int  # smaller images are upscaled to about this many pixels
+    max_wh_ratio: float | None  # null in the release (not active)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "vision_config") -> "VisionConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing key(s) {missing}")
+        values = {n: raw[n] for n in names}
+        for n in names:
+            v = values[n]
+            if n == "max_wh_ratio":
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                    raise ConfigError(f"{source}.max_wh_ratio must be null or a positive number, got {v!r}")
+            elif n == "rope_theta":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(f"{source}.rope_theta must be a positive number, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{source}.{n} must be a positive integer, got {v!r}")
+        cfg = cls(**values)
+        if cfg.hidden_size % cfg.num_attention_heads or cfg.head_dim % 4:
+            raise ConfigError(f"{source}: hidden_size {cfg.hidden_size} must split into num_attention_heads "
+                              f"{cfg.num_attention_heads} heads of a size divisible by 4 (2D RoPE: half rows, half "
+                              f"columns, each rotate-half)")
+        if cfg.max_image_tokens < 4:
+            raise ConfigError(f"{source}.max_image_tokens must be >= 4 (one token, a newline and the two delimiters), "
+                              f"got {cfg.max_image_tokens}")
+        return cfg
+
+
 @dataclass
 class FlashConfig:
     """The text model's hyper-parameters (HF `text_config` names) plus round-tripped extras."""
@@ -246,6 +294,19 @@ class FlashConfig:
         """A vision tower exists (vision_config.num_hidden_layers > 0): the router then has `bias_vl`."""
         vision = self.extra_root.get("vision_config") or {}
         return bool(vision.get("num_hidden_layers", 0))
+
+    @cached_property
+    def vision(self) -> VisionConfig | None:
+        """The vision tower's shape, or None without one (no vision_config, or num_hidden_layers 0)."""
+        if not self.has_vision:
+            return None
+        raw = self.extra_root["vision_config"]
+        if not isinstance(raw, dict):
+            raise ConfigError(f"vision_config must be an object, got {raw!r}")
+        if self.image_token_id is None:
+            raise ConfigError("vision_config has layers but the config has no image_token_id (the input id of "
+                              "every image-span position)")
+        return VisionConfig.from_dict(raw)
 
     @cached_property
     def dspark(self) -> DSparkConfig | None:
@@ -595,6 +656,8 @@ def validate(cfg: FlashConfig) -> None:
             fail(f"engram_pad_token_id {cfg.engram_pad_token_id} is outside the vocabulary ({cfg.vocab_size})")
     if cfg.image_token_id is not None and not 0 <= cfg.image_token_id < cfg.vocab_size:
         fail(f"image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.vocab_size})")
+    if cfg.has_vision:
+        cfg.vision  # noqa: B018 (parses and validates vision_config now, with its own message)
     if cfg.weight_dtype not in ("fp8", "bf16", "fp32"):
         fail(f"quantization_config.quant_method / dtype {cfg.weight_dtype!r} is not one of fp8, bf16, fp32")
     if cfg.expert_dtype not in ("fp4", "fp8", "bf16", "fp32"):
@@ -670,5 +733,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["FlashConfig", "LayerMode", "LayerTopology", "Topology", "load_config", "validate", "PRESETS",
+__all__ = ["FlashConfig", "VisionConfig", "LayerMode", "LayerTopology", "Topology", "load_config", "validate", "PRESETS",
            "topology_table", "ceil_div"]

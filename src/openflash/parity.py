@@ -20,6 +20,10 @@ Tolerances of the teacher-forced run:
 - in `fp32` numerics (the fast default path) only hash ids, the token map and logits (LOGIT_ATOL_FP32) are held
   to account; top-k, routing and intermediates are reported, since bf16 rounding moves near-ties.
 
+A golden with images (B2) adds the preprocessing (patches and span token types from its PNG files, held exact),
+each image's ViT and aligner outputs and the merged embeddings; the image spans route with `bias_vl` and are
+DEAD for the Engram hash.
+
 A golden with a DSpark drafter (D) adds, in the reference's call order: the target's main_hidden, the rings seeded
 from the prompt, per decode step the drafter's main_x, stage outputs and routing, logits before and after the
 Markov bias, drafts and confidence, then the verified round (the target one token at a time on the last draft,
@@ -39,6 +43,8 @@ from safetensors.torch import load_file
 from openflash.checkpoint import load_checkpoint
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
+from openflash.vision.preprocess import prepare_image
+from openflash.vision.prompt import EncodedImages, PromptImage, image_mask
 
 ATOL_BF16, RTOL_BF16 = 2e-2, 2e-2  # ~2-3 bf16 ulps at unit scale
 LOGIT_ATOL_FP32 = 5e-2  # fp32 path vs the bf16 reference: logits have std ~1
@@ -91,12 +97,16 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     cache = model.new_cache(prompt.shape[0])
     teacher = expected if teacher_forced else None
     probe = GoldenProbe("prefill.", teacher)
-    rows = memory.prepare(prompt, cache)
+    images = _golden_images(folder, inputs, model, ours)
+    mask = image_mask(prompt.shape[1], images.images).unsqueeze(0) if images.images else None
+    rows = memory.prepare(prompt, cache, mask)
     if rows is not None:
         probe.record("engram_hash", rows.hash_ids)
     drafting = cfg.dspark is not None and "spec_prefill.main_x" in expected
-    logits_all, hidden = model.step_hidden(prompt, cache, engram=rows, probe=probe, all_logits=True) if drafting \
-        else (model.step(prompt, cache, engram=rows, probe=probe, all_logits=True), None)
+    spans = images.window(0, prompt.shape[1], model.device)
+    logits_all, hidden = model.step_hidden(prompt, cache, engram=rows, images=spans, probe=probe,
+                                           all_logits=True) if drafting \
+        else (model.step(prompt, cache, engram=rows, images=spans, probe=probe, all_logits=True), None)
     _collect(probe.recorded, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
     ours["prefill.logits_all"] = logits_all
     ours["prefill.logits_last"] = logits_all[:, -1]
@@ -129,6 +139,28 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     if drafting:
         _verify_round(model, memory, cache, expected, last_draft, ours)
     return compare(ours, expected, numerics)
+
+
+def _golden_images(folder: Path, inputs: dict[str, Any], model: Any, ours: dict[str, torch.Tensor]) -> EncodedImages:
+    """The golden's images preprocessed from its PNG files and encoded, recording patches, types, ViT and aligner
+    outputs under the golden's names."""
+    placed = []
+    for k, spec in enumerate(inputs.get("images", ())):
+        if spec["batch"] != 0:
+            raise OpenflashError(f"{folder}: image {k} is in batch row {spec['batch']}; parity runs batch 1")
+        prepared = prepare_image(folder / spec["png_file"], model.cfg.vision, where=f"image {k}")
+        ours[f"inputs.image{k}.patches"] = prepared.patches
+        ours[f"inputs.image{k}.types"] = prepared.types
+        placed.append(PromptImage(spec["start"], prepared))
+
+    def encode(image: Any) -> torch.Tensor:
+        k = next(i for i, p in enumerate(placed) if p.image is image)
+        probe = GoldenProbe(f"prefill.image{k}.")
+        rows = model.encode_image(image.patches, image.grid.n_vit_h, image.grid.n_vit_w, image.types, probe)
+        ours.update(probe.recorded)
+        return rows
+
+    return EncodedImages(placed, encode)
 
 
 def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefix: str,
@@ -188,7 +220,8 @@ def _collect(record: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], pre
 def compare(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], numerics: str) -> list[Comparison]:
     results = []
     for key in sorted(expected):
-        if key.startswith("inputs.") or key.endswith((".input_token", ".start_pos")):
+        preprocessing = key.startswith("inputs.image")  # ours to reproduce, exactly
+        if (key.startswith("inputs.") and not preprocessing) or key.endswith((".input_token", ".start_pos")):
             continue
         ref = expected[key]
         if key not in ours:
@@ -222,7 +255,9 @@ def compare(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], nu
         max_abs = d.max().item() if d.numel() else 0.0
         max_rel = r.max().item() if r.numel() else 0.0
         note = ""
-        if numerics == "reference":
+        if preprocessing:
+            ok, note = max_abs == 0.0, "exact (preprocessing)"
+        elif numerics == "reference":
             ok = bool((d <= ATOL_BF16 + RTOL_BF16 * ref_f.abs()[finite]).all())
         elif key.startswith("verify"):
             # The golden records no intermediates of its verify steps, so nothing teacher-forces them: in fp32

@@ -6,8 +6,8 @@ indexer), router, shared expert, the top-k routed experts, mHC and norms of each
 gains plus the looked-up table values at Engram layers, and the embedding (plus the head for a generated token).
 Under CED a prompt token runs only the encoder half; a generated token runs every layer.
 
-Parts openflash does not build (the vision tower and its image delimiter vectors) are counted from their config
-shapes (spec vision_and_dspark.md, checkpoint.md §3.8) and labelled as such; the DSpark draft stages are built.
+The vision tower and aligner and the DSpark draft stages are counted apart from the backbone (the image delimiter
+vectors belong to the backbone, as in spec numbers.md); vision weights are bf16 in the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from openflash import formats
-from openflash.config import FlashConfig, load_config
+from openflash.config import load_config
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.transformer import Transformer
@@ -32,7 +32,7 @@ class Plan:
     params_backbone: int
     params_engram_tables: int
     params_dspark: int  # the DSpark draft stages (built)
-    params_vision: int  # counted from shapes (not built)
+    params_vision: int  # ViT + aligner
     active_prefill_token: int
     active_decode_token: int
     bytes_by_location: dict[str, int]
@@ -81,29 +81,15 @@ def _stored_bytes(module: nn.Module) -> int:
     return total
 
 
-def _vision_params(cfg: FlashConfig) -> int:
-    """ViT + aligner from vision_config shapes (spec numbers.md §1.3)."""
-    v = cfg.extra_root.get("vision_config") or {}
-    layers = int(v.get("num_hidden_layers", 0))
-    if not layers:
-        return 0
-    dim, inter, patch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
-    block = (3 * dim * dim + 3 * dim) + (dim * dim + dim) + 2 * inter * dim + dim * inter + 2 * dim
-    patch_embed = patch * patch * 3 * dim + dim
-    merged = dim * int(v["downsample_ratio"]) ** 2
-    aligner = merged * cfg.hidden_size + cfg.hidden_size + cfg.hidden_size ** 2 + cfg.hidden_size
-    return layers * block + patch_embed + dim + aligner
-
-
 def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: str = "host") -> Plan:
     cfg = load_config(name_or_path)
     with torch.device("meta"):
         model = Transformer(cfg)
     topo = cfg.topology
-    image_vectors = 3 * cfg.hidden_size if cfg.has_vision else 0  # image_start/end/newline (not built)
     tables = sum(_count(m) for m in model.modules() if isinstance(m, DeviceTable))
     dspark = _count(model.mtp)  # the draft stages (embed and head are the backbone's)
-    backbone = _count(model) - tables - dspark + image_vectors
+    vision = _count(model.vision) + _count(model.aligner) if model.vision is not None else 0
+    backbone = _count(model) - tables - dspark - vision
     k, cols = cfg.num_experts_per_tok, cfg.n_hash_columns
     layers = []
     for t, block in zip(topo.layers, model.layers):
@@ -116,10 +102,9 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
     embed = cfg.vocab_size * cfg.hidden_size
     prefill = embed + sum(layer["active"] for layer in layers if layer["half"] == "encoder")
     decode = 2 * embed + sum(layer["active"] for layer in layers)
-    vision = _vision_params(cfg)
 
     table_bytes = sum(m.num_rows * (m.dim + m.dim // 32) for m in model.modules() if isinstance(m, DeviceTable))
-    dense_bytes = _stored_bytes(model) - table_bytes + image_vectors * 2
+    dense_bytes = _stored_bytes(model) - table_bytes
     where = {"device": "accelerator", "host": "host", "disk": "disk", "sharded": "host (sharded across ranks)"}
     by_location = {"accelerator": dense_bytes}
     by_location[where[engram_placement]] = by_location.get(where[engram_placement], 0) + table_bytes

@@ -39,7 +39,7 @@ def plan(args: Any) -> int:
         ("  backbone (built)", plan.params_backbone),
         ("  Engram tables (built)", plan.params_engram_tables),
         ("  DSpark draft stages", plan.params_dspark),
-        ("  vision tower + aligner (from shapes, not built)", plan.params_vision),
+        ("  vision tower + aligner", plan.params_vision),
         ("active per prompt token (encoder half, CED)", plan.active_prefill_token),
         ("active per generated token (all layers)", plan.active_decode_token),
     ]

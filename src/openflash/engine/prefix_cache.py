@@ -150,8 +150,7 @@ class PrefixCache:
         if entry.engram is not None:
             cache.engram = EngramHashState(entry.engram.clone())
         if entry.replay is not None:
-            r = entry.replay
-            cache.replay = ReplayBuffer(r.residual.clone(), r.pre_mix.clone(), r.positions.clone())
+            cache.replay = entry.replay.clone()
         return cache
 
     # ---- insertion ----------------------------------------------------------------------------------------------
@@ -185,8 +184,7 @@ class PrefixCache:
             entry.window = [w.clone() for w in cache.window]
             entry.engram = cache.engram.history.clone() if cache.engram is not None else None
             if cache.replay is not None:
-                r = cache.replay
-                entry.replay = ReplayBuffer(r.residual.clone(), r.pre_mix.clone(), r.positions.clone())
+                entry.replay = cache.replay.clone()
         entry.dense_bytes = self._dense_bytes(entry)
         self._add(entry)
         self.stats.inserts += 1
@@ -274,6 +272,7 @@ class PrefixCache:
                 tensors[f"{p}.replay.residual"] = entry.replay.residual.contiguous()
                 tensors[f"{p}.replay.pre_mix"] = entry.replay.pre_mix.contiguous()
                 tensors[f"{p}.replay.positions"] = entry.replay.positions.contiguous()
+                tensors[f"{p}.replay.image_mask"] = entry.replay.image_mask.contiguous()
             index.append(item)
         meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "block_tokens": self.block_tokens,
                 "restore": self.restore_mode, "pool_block_size": self.pool.block_size,
@@ -331,8 +330,11 @@ class PrefixCache:
                     entry.window = [WindowCache(tensors[f"{p}.w{i}.kv"], tensors[f"{p}.w{i}.pos"])
                                     for i in range(n_layers)]
             if item["replay"]:
+                positions = tensors[f"{p}.replay.positions"]
+                # Files written before images existed hold no mask: their prompts were all text.
+                mask = tensors.get(f"{p}.replay.image_mask", torch.zeros_like(positions, dtype=torch.bool))
                 entry.replay = ReplayBuffer(tensors[f"{p}.replay.residual"], tensors[f"{p}.replay.pre_mix"],
-                                            tensors[f"{p}.replay.positions"])
+                                            positions, mask)
             entry.dense_bytes = self._dense_bytes(entry)
             if entry.key not in self.entries:
                 self._add(entry)

@@ -279,6 +279,11 @@ class ReplayBuffer:
     residual: torch.Tensor  # [B, n, hc, D]
     pre_mix: torch.Tensor  # [B, n, hc]
     positions: torch.Tensor  # [B, n]
+    image_mask: torch.Tensor  # [B, n] bool: image-span positions (their MoE routing uses bias_vl)
+
+    def clone(self) -> "ReplayBuffer":
+        return ReplayBuffer(self.residual.clone(), self.pre_mix.clone(), self.positions.clone(),
+                            self.image_mask.clone())
 
 
 def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
@@ -355,7 +360,8 @@ class ModelCache:
             compressed={i: c.select(rows) for i, c in self.compressed.items()},
             engram=self.engram.select(rows) if self.engram is not None else None,
             replay=None if self.replay is None else ReplayBuffer(
-                *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions))),
+                *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions,
+                                           self.replay.image_mask))),
             index_k_publisher=self.index_k_publisher, spare=self.spare, draft=[w.select(rows) for w in self.draft],
         )
 

@@ -1,14 +1,16 @@
 """The V4.1-Flash text model, top to bottom (spec: architecture.md §2, §4.4, §7).
 
     rows = the caller's Engram rows of the tokens (memory/)   # addresses depend on tokens only: prepared ahead
-    R = 4 copies of embed(tokens); pre = one-hot               # mHC residual streams
+    h = embed(tokens), image-span positions overwritten        # ViT + aligner rows (model/vision.py)
+    R = 4 copies of h; pre = one-hot                           # mHC residual streams
     for each layer L:
         if Engram sits before L: R = Engram_L(R, rows)         # looked up, not computed
         R, pre = Block_L(R, pre)                               # attention (CSA2) + MoE, each wrapped in mHC
     logits = head(norm(collapse(R, pre)))
 
 Two ways to run it (a model with Engram layers also takes `engram=`, the `EngramRows` its memory prepared from the
-same token ids; the model hashes nothing and imports nothing from memory/):
+same token ids; the model hashes nothing and imports nothing from memory/; a step with images takes `images=`, the
+`ImageRows` of its image-span positions, made by `encode_image` from the caller's preprocessed patches):
 - `forward(input_ids, targets)`: a full causal sequence from position 0 (training), returning logits and loss,
   plus the indexer's KL term;
 - `step(input_ids, cache)`: incremental inference; prefill chunks and decode steps carry all state in a
@@ -38,6 +40,7 @@ from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import collapse
 from openflash.model.numerics import FP32, Numerics
+from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
 log = logging.getLogger("openflash.model")
 
@@ -72,6 +75,13 @@ class Transformer(nn.Module):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, exact_fp32=True)  # fp32 logits
         # DSpark draft stages (checkpoint mtp.0..): they share embed and head with the backbone.
         self.mtp = nn.ModuleList(DSparkStage(cfg, m) for m in range(cfg.dspark.stages if cfg.dspark else 0))
+        # The vision tower and aligner (checkpoint `vision.*`, `aligner.*`) and the span delimiter vectors.
+        vision = cfg.vision
+        self.vision = VisionTower(vision) if vision else None
+        self.aligner = Aligner(vision, cfg.hidden_size) if vision else None
+        if vision:
+            self.image_start, self.image_end, self.image_newline = (
+                nn.Parameter(torch.randn(cfg.hidden_size) * 0.02) for _ in range(3))
         self.numerics: Numerics = FP32
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
 
@@ -109,9 +119,29 @@ class Transformer(nn.Module):
                                 draft=bool(self.mtp))
 
     # ---- pieces ---------------------------------------------------------------------------------------------
-    def streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mHC residual streams of tokens [B, S]: hc copies of the embedding, and the one-hot first pre mix."""
+    def encode_image(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int, types: torch.Tensor,
+                     probe: Probe | None = None) -> torch.Tensor:
+        """The embedding rows [len(types), dim] of one image span (fp32): ViT over the patches [n_vit_h * n_vit_w,
+        3, p, p], the aligner, and the delimiter vectors where `types` has them (spec §A.5)."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes no "
+                             "images")
+        vit = self.vision(patches.to(self.device), n_vit_h, n_vit_w)
+        cells = self.aligner(vit, n_vit_h, n_vit_w)
+        if probe is not None:
+            probe.record("vit_out", vit)
+            probe.record("aligner_out", cells)
+        return span_rows(types.to(self.device), cells, self.image_start, self.image_end, self.image_newline).float()
+
+    def streams(self, input_ids: torch.Tensor, images: ImageRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mHC residual streams of tokens [B, S]: hc copies of the embedding (image-span positions overwritten
+        with `images`), and the one-hot first pre mix."""
         h = self.numerics.round(self.embed(input_ids).float())
+        if images is not None:
+            if tuple(images.mask.shape) != tuple(input_ids.shape):
+                raise ValueError(f"images.mask has shape {tuple(images.mask.shape)} but input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            h = h.masked_scatter(images.mask.unsqueeze(-1), self.numerics.round(images.values.float()))
         residual = h.unsqueeze(2).expand(*h.shape[:2], self.cfg.hc_mult, h.shape[-1]).contiguous()
         pre = torch.zeros(*h.shape[:2], self.cfg.hc_mult, device=h.device)
         pre[..., 0] = 1.0  # one-hot initial pre mix: selects stream 0 (all streams are equal here)
@@ -145,15 +175,16 @@ class Transformer(nn.Module):
     # ---- training forward -----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 engram: EngramRows | None = None, dense_indexer: bool = False,
-                image_mask: torch.Tensor | None = None,
+                images: ImageRows | None = None,
                 probe: Probe | None = None, hidden: bool = False) -> ForwardOutput:
-        """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it)."""
+        """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it;
+        images: the rows of the image-span positions, from `encode_image`, which stays in autograd)."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
                           taps=self._taps() if hidden else {})
-        residual, pre = self.streams(input_ids)
-        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, image_mask)
+        residual, pre = self.streams(input_ids, images)
+        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images))
         logits = self._logits(residual, pre, ctx)
         loss = None
         if targets is not None:
@@ -165,7 +196,7 @@ class Transformer(nn.Module):
     # ---- incremental inference -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
-             engram: EngramRows | None = None, image_mask: torch.Tensor | None = None,
+             engram: EngramRows | None = None, images: ImageRows | None = None,
              probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor | None:
         """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
         each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
@@ -174,18 +205,19 @@ class Transformer(nn.Module):
         then runs only on the last `sliding_window` prompt positions (its KV owner's compressor still sees every
         token). Decode steps (S = 1) are the same in both modes.
         """
-        return self._step(input_ids, cache, mode, last_chunk, engram, image_mask, probe, all_logits, False)[0]
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False)[0]
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
-                    last_chunk: bool = True, engram: EngramRows | None = None, probe: Probe | None = None,
+                    last_chunk: bool = True, engram: EngramRows | None = None, images: ImageRows | None = None,
+                    probe: Probe | None = None,
                     all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
         non-final bounded prefill chunk, whose decoder half has not run yet)."""
-        return self._step(input_ids, cache, mode, last_chunk, engram, None, probe, all_logits, True)
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True)
 
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
-              engram: EngramRows | None, image_mask: torch.Tensor | None, probe: Probe | None, all_logits: bool,
+              engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
               hidden: bool) -> tuple[torch.Tensor | None, TargetHidden | None]:
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
@@ -200,7 +232,10 @@ class Transformer(nn.Module):
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps)
-        residual, pre = self.streams(input_ids)
+        residual, pre = self.streams(input_ids, images)
+        if images is not None:
+            ctx.put("embed_merged", residual[:, :, 0])
+        image_mask = _mask(images)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         if mode == "exact" and cache.replay is not None:
             raise ValueError("this cache has a pending bounded-replay prefill; finish it in 'bounded' mode")
@@ -219,7 +254,9 @@ class Transformer(nn.Module):
         owner = self.layers[split]
         owner_x = owner.attn_norm(collapse(residual, pre, self.numerics))
         owner.attn.publish_compressed(owner_x, ctx)
-        cache.replay = _append_replay(cache.replay, residual, pre, positions, self.cfg.sliding_window)
+        if image_mask is None:
+            image_mask = torch.zeros(B, S, dtype=torch.bool, device=input_ids.device)
+        cache.replay = _append_replay(cache.replay, residual, pre, positions, image_mask, self.cfg.sliding_window)
         cache.pos = cache.pos + S
         if not last_chunk:
             return None, None
@@ -227,8 +264,9 @@ class Transformer(nn.Module):
         tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
                                compressed={split: ctx.compressed[split]}, probe=probe,
                                taps=self._taps() if hidden else {})
+        tail_mask = replay.image_mask if bool(replay.image_mask.any()) else None  # decoder-half routing (bias_vl)
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
-                                     None)
+                                     tail_mask)
         return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1], self._hidden(tail_ctx)
 
     def _taps(self) -> dict[int, torch.Tensor | None]:
@@ -268,7 +306,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
-               engram: EngramRows | None = None) -> None:
+               engram: EngramRows | None = None, images: ImageRows | None = None) -> None:
         """Rebuild a cache's bounded state from the last tokens [1, S] (positions start..start+S-1) of a prefix
         whose global state (compressed KV and index keys) the cache already holds, as prefix caching restores one.
 
@@ -276,17 +314,19 @@ class Transformer(nn.Module):
         rewritten; per-query visibility keeps the replay causal. With `bounded` (and a model whose bounded replay is
         exact, `Topology.bounded_replay_ok`) only the encoder half runs and its output becomes the pending
         decoder-half input, as a chunked bounded prefill would leave it. `engram`: the rows of these tokens, prepared
-        by the caller with `cache.engram` advanced past the prefix."""
+        by the caller with `cache.engram` advanced past the prefix; `images`: the image rows among them."""
         S = input_ids.shape[1]
         positions = torch.arange(start, start + S, device=input_ids.device).unsqueeze(0)
         views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
         ctx = StepContext(positions, self.numerics, cache=cache, compressed=views)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok
-        residual, pre = self.streams(input_ids)
-        residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, engram, None)
+        residual, pre = self.streams(input_ids, images)
+        image_mask = _mask(images)
+        residual, pre = self._layers(residual, pre, range(split if bounded else n_layers), ctx, engram, image_mask)
         if bounded:
-            cache.replay = ReplayBuffer(residual, pre, positions)
+            cache.replay = ReplayBuffer(residual, pre, positions, torch.zeros_like(positions, dtype=torch.bool)
+                                        if image_mask is None else image_mask)
         cache.pos = torch.tensor([start + S], dtype=torch.long, device=input_ids.device)
 
     def _note_exact_prefill(self) -> None:
@@ -301,14 +341,19 @@ class Transformer(nn.Module):
         return self.step(input_ids.view(-1, 1), cache, mode="exact", **kwargs)
 
 
+def _mask(images: ImageRows | None) -> torch.Tensor | None:
+    return None if images is None else images.mask
+
+
 def _append_replay(replay: ReplayBuffer | None, residual: torch.Tensor, pre: torch.Tensor,
-                   positions: torch.Tensor, window: int) -> ReplayBuffer:
+                   positions: torch.Tensor, image_mask: torch.Tensor, window: int) -> ReplayBuffer:
     """Keep the decoder-half input of the last `window` prompt positions."""
     if replay is not None:
         residual = torch.cat((replay.residual, residual), dim=1)
         pre = torch.cat((replay.pre_mix, pre), dim=1)
         positions = torch.cat((replay.positions, positions), dim=1)
-    return ReplayBuffer(residual[:, -window:], pre[:, -window:], positions[:, -window:])
+        image_mask = torch.cat((replay.image_mask, image_mask), dim=1)
+    return ReplayBuffer(residual[:, -window:], pre[:, -window:], positions[:, -window:], image_mask[:, -window:])
 
 
 __all__ = ["Transformer", "Block", "ForwardOutput", "CompressedView", "TargetHidden"]
