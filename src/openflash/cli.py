@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = _add(sub, "generate", "openflash.commands.run:generate", "generate text from a model")
     gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
-    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--prompt", required=True, help="prompt text (with --image: each <image> in it takes the next "
+                     "image; without one, the images come first)")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image file (PNG, JPEG, ...) for a model with a vision tower; repeat for several")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")

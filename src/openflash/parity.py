@@ -152,15 +152,8 @@ def _golden_images(folder: Path, inputs: dict[str, Any], model: Any, ours: dict[
         ours[f"inputs.image{k}.patches"] = prepared.patches
         ours[f"inputs.image{k}.types"] = prepared.types
         placed.append(PromptImage(spec["start"], prepared))
-
-    def encode(image: Any) -> torch.Tensor:
-        k = next(i for i, p in enumerate(placed) if p.image is image)
-        probe = GoldenProbe(f"prefill.image{k}.")
-        rows = model.encode_image(image.patches, image.grid.n_vit_h, image.grid.n_vit_w, image.types, probe)
-        ours.update(probe.recorded)
-        return rows
-
-    return EncodedImages(placed, encode)
+    probes = [GoldenProbe(f"prefill.image{k}.", recorded=ours) for k in range(len(placed))]
+    return EncodedImages(placed, model, probes.__getitem__)
 
 
 def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefix: str,

@@ -26,7 +26,8 @@ def generate(args: Any) -> int:
                             max_tokens=args.max_tokens, seed=args.seed)
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params)
-    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory())
+    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory(),
+                           images=args.image)
     print(f"# {loaded.note}")
     print(args.prompt + result.text)
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
@@ -37,12 +38,13 @@ def generate(args: Any) -> int:
 def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams) -> int:
     """`generate --speculative dspark`: the engine's speculative rounds on one request."""
     from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.vision.prompt import text_prompt
 
-    ids = loaded.tokenizer.encode(args.prompt).ids
+    ids, images = text_prompt(loaded.tokenizer, args.prompt, args.image, loaded.model.cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens), loaded.memory())
-    seq = engine.generate([ids], params)[0]
+    seq = engine.generate([ids], params, images=[images])[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
     print(f"# {loaded.note}")

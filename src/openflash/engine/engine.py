@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
+from typing import Sequence as Sequence_
 
 import torch
 from tokenizers import Tokenizer
@@ -35,9 +36,10 @@ from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFul
 from openflash.engine.runner import PREFILL_MODES, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
-from openflash.errors import OpenflashError
+from openflash.errors import OpenflashError, RequestError
 from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
+from openflash.vision.prompt import PromptImage, check_spans
 
 log = logging.getLogger("openflash.engine")
 
@@ -155,14 +157,27 @@ class LLMEngine:
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False) -> Sequence:
+                    on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False,
+                    images: Sequence_[PromptImage] = ()) -> Sequence:
         """Queue a request; raises OpenflashError (PromptTooLongError, MaxTokensError, QueueFullError,
-        EngineStoppedError) if it cannot be served. Outputs go to on_output (on the engine thread)."""
+        EngineStoppedError) if it cannot be served. Outputs go to on_output (on the engine thread).
+
+        images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them); their
+        positions in `prompt` hold the image token id."""
         params.validate(self.config.max_context - 1)
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
         validate_prompt(ids, params, self.cfg.vocab_size, self.config.max_context)
+        if images:
+            if self.cfg.vision is None:
+                raise RequestError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes "
+                                   "no images", param="images")
+            try:
+                check_spans(ids, images, self.cfg.image_token_id)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="images") from None
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, SamplerState.create(params),
-                       eos_token_id=None if ignore_eos else self.cfg.eos_token_id, on_output=on_output)
+                       eos_token_id=None if ignore_eos else self.cfg.eos_token_id, on_output=on_output,
+                       images=list(images))
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down and takes no new requests")
@@ -257,13 +272,13 @@ class LLMEngine:
         seq.scheduled_time = time.perf_counter()
         self.metrics.queue_time.observe(seq.scheduled_time - seq.arrival_time)
         try:
-            entry = self.prefix_cache.lookup(seq.prompt_ids) if self.prefix_cache is not None else None
+            entry = self.prefix_cache.lookup(seq.key_ids) if self.prefix_cache is not None else None
             if entry is None:
                 seq.cache = self.runner.new_cache()
                 return True
             seq.cache = self.prefix_cache.restore(entry)
             if self.prefix_cache.restore_mode == "replay":
-                self.runner.replay_prefix(seq.cache, seq.prompt_ids, entry.num_tokens)
+                self.runner.replay_prefix(seq, entry.num_tokens)
             seq.num_prefilled = seq.num_cached = entry.num_tokens
             self.metrics.cached_prompt_tokens += entry.num_tokens
             return True
@@ -281,10 +296,10 @@ class LLMEngine:
         if pc.restore_mode == "snapshot":
             # A snapshot must be the state of a prefill that stops there: only between chunks.
             if end < seq.prompt_len and end % block == 0:
-                pc.insert(seq.prompt_ids, end, seq.cache)
+                pc.insert(seq.key_ids, end, seq.cache)
             return
         for boundary in range((start // block + 1) * block, end + 1, block):
-            pc.insert(seq.prompt_ids, boundary, seq.cache)
+            pc.insert(seq.key_ids, boundary, seq.cache)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -323,12 +338,14 @@ class LLMEngine:
 
     # ---- offline use ------------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
-                 ignore_eos: bool = False) -> list[Sequence]:
-        """Run prompts to completion on the calling thread (no background loop); sequences in input order."""
+                 ignore_eos: bool = False, images: list[Sequence_[PromptImage]] | None = None) -> list[Sequence]:
+        """Run prompts to completion on the calling thread (no background loop); sequences in input order.
+        images: each prompt's image spans (see add_request)."""
         if self._thread is not None:
             raise RuntimeError("generate() runs the engine itself; the background loop is running")
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp, ignore_eos=ignore_eos) for p, sp in zip(prompts, plist)]
+        spans = images if images is not None else [()] * len(prompts)
+        seqs = [self.add_request(p, sp, ignore_eos=ignore_eos, images=im) for p, sp, im in zip(prompts, plist, spans)]
         while self.has_work():
             self.step()
         return seqs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -16,6 +17,8 @@ from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, s
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
+from openflash.vision.preprocess import ImageSource
+from openflash.vision.prompt import EncodedImages, PromptImage, check_spans, text_prompt
 
 
 @dataclass
@@ -35,14 +38,29 @@ class GenerationResult:
 
 @torch.no_grad()
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], params: SamplingParams, *,
-             mode: str = "bounded", prefill_chunk: int = 512, memory: EngramMemory | None = None) -> GenerationResult:
+             mode: str = "bounded", prefill_chunk: int = 512, memory: EngramMemory | None = None,
+             images: Sequence[ImageSource] | Sequence[PromptImage] = ()) -> GenerationResult:
     """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string.
 
-    memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map)."""
+    memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map).
+    images: with a text prompt, PIL images, paths or encoded bytes, placed at each `<image>` of the text (or before
+    it); with a token-id prompt, its PromptImage spans (vision/prompt.py)."""
     params.validate()
     if memory is None:
         memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
-    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+    placed: list[PromptImage] = []
+    if isinstance(prompt, str) and images:
+        ids, placed = text_prompt(tokenizer, prompt, list(images), model.cfg)
+    else:
+        ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        placed = list(images)
+        if not all(isinstance(p, PromptImage) for p in placed):
+            raise OpenflashError("with a token-id prompt, images must be PromptImage spans (vision/prompt.py)")
+        if placed:
+            try:
+                check_spans(ids, placed, model.cfg.image_token_id)
+            except ValueError as exc:
+                raise OpenflashError(str(exc)) from None
     if not ids:
         raise OpenflashError("the prompt is empty after tokenization")
     if max(ids) >= model.cfg.vocab_size:
@@ -53,10 +71,13 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
     state = SamplerState.create(params)
     start = time.perf_counter()
     logits = None
+    encoded = EncodedImages(placed, model)
     for i in range(0, len(ids), prefill_chunk):
         chunk = torch.tensor([ids[i: i + prefill_chunk]], device=device)
+        spans = encoded.window(i, i + chunk.shape[1], device)
         logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids),
-                            engram=memory.prepare(chunk, cache))
+                            engram=memory.prepare(chunk, cache, None if spans is None else spans.mask),
+                            images=spans)
     prefill_s = time.perf_counter() - start
     out: list[int] = []
     finish, text = "length", ""

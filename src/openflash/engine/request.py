@@ -18,6 +18,7 @@ import torch
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop
 from openflash.errors import OpenflashError, RequestError
 from openflash.model.cache import ModelCache
+from openflash.vision.prompt import PromptImage, key_ids
 
 
 class PromptTooLongError(RequestError):
@@ -79,6 +80,8 @@ class Sequence:
     num_cached: int = 0  # of those, tokens restored from the prefix cache
     cache: ModelCache | None = None  # own cache while prefilling (then owned by the runner's batch)
     draft_hidden: torch.Tensor | None = None  # speculative decoding: main_hidden [1, 1, n*dim] of the last run token
+    images: list[PromptImage] = field(default_factory=list)  # image spans of the prompt (their rows: the runner)
+    key_ids: list[int] = field(default_factory=list)  # what the prefix cache hashes: prompt ids + image digests
     finish_reason: str | None = None
     error: str | None = None
     # Text bookkeeping: `text` is the decoded output so far, cut at a stop string; `sent` chars have been emitted.
@@ -89,6 +92,9 @@ class Sequence:
     scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.key_ids = key_ids(self.prompt_ids, self.images)
 
     @property
     def prompt_len(self) -> int:

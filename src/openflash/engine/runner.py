@@ -9,6 +9,9 @@ rings, compressor open group, hash history) and only block tables of the global 
 
 Engram: the memory (any tier, `device` by default) hashes each chunk or decode step's token ids before the model
 runs, which starts fetching the rows, and the rows are handed down to the model's step (memory/placement.py).
+
+Images: a prompt's image spans are encoded (ViT + aligner) once, at its first chunk that reaches one, and each
+chunk gets the rows of the span positions inside it; the spans are DEAD for the Engram hash. Decode steps are text.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
 from openflash.model.engram import EngramRows
 from openflash.model.transformer import TargetHidden, Transformer
+from openflash.model.vision import ImageRows
+from openflash.vision.prompt import EncodedImages, image_mask
 
 PREFILL_MODES = ("bounded", "exact")
 
@@ -30,11 +35,15 @@ PREFILL_MODES = ("bounded", "exact")
 class EngramTier(Protocol):
     """What the engine needs of an Engram memory (implemented by memory/placement.py's EngramMemory, any tier)."""
 
-    def prepare(self, input_ids: torch.Tensor, cache: ModelCache) -> EngramRows | None:
-        """The rows of a chunk or decode step after `cache` (hashing advances its history); fetching starts now."""
+    def prepare(self, input_ids: torch.Tensor, cache: ModelCache,
+                image_mask: torch.Tensor | None = None) -> EngramRows | None:
+        """The rows of a chunk or decode step after `cache` (hashing advances its history; image-span positions,
+        True in image_mask, are DEAD); fetching starts now."""
 
-    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache) -> EngramRows | None:
-        """The rows of prompt_ids[start:stop] for a prefix replay, the hash history rebuilt from what precedes."""
+    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache,
+                       image_mask: torch.Tensor | None = None) -> EngramRows | None:
+        """The rows of prompt_ids[start:stop] for a prefix replay, the hash history rebuilt from what precedes
+        (image_mask: [len(prompt_ids)], True on image-span positions)."""
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
         """Start fetching the rows of each row's k likeliest next tokens."""
@@ -55,16 +64,25 @@ class ModelRunner:
         self.batch: ModelCache | None = None
         self.batch_ids: list[str] = []  # request id of each batch row
         self.regroups = 0
+        self._images: dict[str, EncodedImages] = {}  # prefilling requests with images: their encoded spans
 
     # ---- model calls ------------------------------------------------------------------------------------------
-    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
-              hidden: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool, hidden: bool = False,
+              images: ImageRows | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """The model on ids after cache, with the Engram rows prepared first; with `hidden`, also the drafter's
         input (Transformer.step_hidden)."""
-        rows = self.memory.prepare(ids, cache)
+        rows = self.memory.prepare(ids, cache, None if images is None else images.mask)
         if hidden:
-            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows)
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows), None
+            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images)
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images), None
+
+    def _encoded(self, seq: Sequence) -> EncodedImages | None:
+        """The sequence's image spans, encoded on first use (kept until its prefill ends)."""
+        if not seq.images:
+            return None
+        if seq.request_id not in self._images:
+            self._images[seq.request_id] = EncodedImages(seq.images, self.model)
+        return self._images[seq.request_id]
 
     def new_cache(self) -> ModelCache:
         return self.factory.empty(1)
@@ -77,7 +95,11 @@ class ModelRunner:
                                f"{seq.num_prefilled} tokens in its cache")
         ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
         last = end == seq.prompt_len
-        logits, hidden = self._step(ids, seq.cache, self.prefill_mode, last, hidden=bool(self.drafts))
+        encoded = self._encoded(seq)
+        images = None if encoded is None else encoded.window(start, end, self.device)
+        logits, hidden = self._step(ids, seq.cache, self.prefill_mode, last, hidden=bool(self.drafts), images=images)
+        if last:
+            self._images.pop(seq.request_id, None)
         if hidden is not None:  # the drafter's rings take the positions the target layers ran on
             self.model.draft_seed(hidden, seq.cache)
             seq.draft_hidden = hidden.values[:, -1:]
@@ -163,22 +185,28 @@ class ModelRunner:
         self.batch_ids = [self.batch_ids[i] for i in keep]
 
     def free_own(self, seq: Sequence) -> None:
-        """Free the cache a sequence holds itself (while prefilling); its batch rows go with `remove`."""
+        """Free the cache a sequence holds itself (while prefilling) and its encoded images; its batch rows go
+        with `remove`."""
+        self._images.pop(seq.request_id, None)
         if seq.cache is not None:
             seq.cache.release()
             seq.cache = None
 
     # ---- prefix-cache replay ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def replay_prefix(self, cache: ModelCache, prompt_ids: list[int], num_tokens: int) -> None:
-        """Rebuild the bounded state after prompt_ids[:num_tokens] in a cache that holds only the global state
-        (compressed KV, empty windows): run the last `sliding_window` prefix tokens over the cached global KV.
+    def replay_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """Rebuild the bounded state after seq's first num_tokens prompt tokens in its cache, which holds only the
+        global state (compressed KV, empty windows): run the last `sliding_window` prefix tokens over the cached
+        global KV (with the rows of any image span among them).
 
         Every owner layer's compressed view is published up front, so no compressor runs and the cached entries are
         never rewritten (Transformer.replay). In bounded mode only the encoder half runs.
         """
-        model, cfg = self.model, self.model.cfg
+        model, cfg, cache, prompt_ids = self.model, self.model.cfg, seq.cache, seq.prompt_ids
         start = max(0, num_tokens - cfg.sliding_window)
         ids = torch.tensor([prompt_ids[start:num_tokens]], dtype=torch.long, device=self.device)
-        rows = self.memory.prepare_replay(prompt_ids, start, num_tokens, cache)
-        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows)
+        mask = image_mask(len(prompt_ids), seq.images).to(self.device) if seq.images else None
+        rows = self.memory.prepare_replay(prompt_ids, start, num_tokens, cache, mask)
+        encoded = self._encoded(seq)
+        images = None if encoded is None else encoded.window(start, num_tokens, self.device)
+        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows, images=images)

@@ -287,19 +287,23 @@ class EngramMemory:
         self._stats.prepare_seconds += time.perf_counter() - start
         return rows
 
-    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: HashedSequences) -> EngramRows | None:
+    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: HashedSequences,
+                       image_mask: torch.Tensor | None = None) -> EngramRows | None:
         """The rows of prompt_ids[start:stop] for Transformer.replay, with the hash history rebuilt from the
-        tokens before `start` (a restored prefix cache holds no history); leaves `cache.engram` after `stop`."""
+        tokens before `start` (a restored prefix cache holds no history); leaves `cache.engram` after `stop`.
+        image_mask: [len(prompt_ids)] bool, True on image-span positions (DEAD for the hash)."""
         if not self.layer_ids:
             return None
         device = self.model.device
         state = self._new_history(1, cache, device)
         history = self.frontend.hasher.history_len
-        before = torch.tensor([prompt_ids[max(0, start - history):start]], dtype=torch.long, device=device)
+        first = max(0, start - history)
+        before = torch.tensor([prompt_ids[first:start]], dtype=torch.long, device=device)
         if before.shape[1]:
-            _, state = self._hash(before, state, None)
+            _, state = self._hash(before, state, None if image_mask is None else image_mask[None, first:start])
         cache.engram = state
-        return self.prepare(torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=device), cache)
+        return self.prepare(torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=device), cache,
+                            None if image_mask is None else image_mask[None, start:stop])
 
     def speculate(self, logits: torch.Tensor, cache: HashedSequences, k: int) -> None:
         """Start gathering the rows of the k likeliest next tokens of each row of `logits` [B, V] (step t's

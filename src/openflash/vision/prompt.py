@@ -8,14 +8,19 @@ is assembled from text token ids and prepared images in order; a step over promp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
+from tokenizers import Tokenizer
 
+from openflash.config import FlashConfig
+from openflash.errors import RequestError
+from openflash.model.context import Probe
 from openflash.model.vision import ImageRows
-from openflash.vision.preprocess import PreparedImage
+from openflash.vision.preprocess import ImageLimits, ImageSource, PreparedImage, prepare_image
 
 KEY_SPACE = 1 << 62
+IMAGE_PLACEHOLDER = "<image>"  # where an image goes in a plain-text prompt (generate --prompt, text_prompt)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,27 @@ def assemble(segments: Sequence[list[int] | PreparedImage], image_token_id: int)
         else:
             ids += list(segment)
     return ids, placed
+
+
+def text_prompt(tokenizer: Tokenizer, text: str, images: Sequence[ImageSource], cfg: FlashConfig,
+                limits: ImageLimits = ImageLimits()) -> tuple[list[int], list[PromptImage]]:
+    """Token ids of a plain-text prompt with images: each `<image>` in the text is replaced by the next image's
+    span; without any `<image>`, the images come first, in order, then the text."""
+    if images and cfg.vision is None:
+        raise RequestError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes no images",
+                           param="images")
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) == 1 and images:
+        pieces = [""] * len(images) + [text]
+    if len(pieces) - 1 != len(images):
+        raise RequestError(f"the prompt has {len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholders but {len(images)} "
+                           f"images were given", param="images")
+    segments: list[list[int] | PreparedImage] = []
+    for k, piece in enumerate(pieces):
+        segments.append(tokenizer.encode(piece, add_special_tokens=k == 0).ids)
+        if k < len(images):
+            segments.append(prepare_image(images[k], cfg.vision, limits, where=f"image {k}"))
+    return assemble(segments, cfg.image_token_id)
 
 
 def check_spans(prompt_ids: Sequence[int], images: Sequence[PromptImage], image_token_id: int | None) -> None:
@@ -77,19 +103,29 @@ def image_mask(length: int, images: Sequence[PromptImage]) -> torch.Tensor:
     return mask
 
 
-class EncodedImages:
-    """A prompt's image spans with their embedding rows, encoded once (model.encode_image) on first use; hands out
-    the ImageRows of any window of prompt positions."""
+class ImageEncoder(Protocol):
+    """What EncodedImages needs of a model (Transformer.encode_image)."""
 
-    def __init__(self, images: Sequence[PromptImage],
-                 encode: Callable[[PreparedImage], torch.Tensor]) -> None:
+    def encode_image(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int, types: torch.Tensor,
+                     probe: Probe | None = None) -> torch.Tensor: ...
+
+
+class EncodedImages:
+    """A prompt's image spans with their embedding rows, encoded once on first use; hands out the ImageRows of
+    any window of prompt positions. probe_of: a probe per image index (parity checks)."""
+
+    def __init__(self, images: Sequence[PromptImage], encoder: ImageEncoder,
+                 probe_of: Callable[[int], Probe | None] | None = None) -> None:
         self.images = list(images)
-        self._encode = encode
+        self._encoder, self._probe_of = encoder, probe_of
         self._rows: dict[int, torch.Tensor] = {}
 
     def rows(self, k: int) -> torch.Tensor:
         if k not in self._rows:
-            self._rows[k] = self._encode(self.images[k].image)
+            image = self.images[k].image
+            probe = None if self._probe_of is None else self._probe_of(k)
+            self._rows[k] = self._encoder.encode_image(image.patches, image.grid.n_vit_h, image.grid.n_vit_w,
+                                                       image.types, probe)
         return self._rows[k]
 
     def window(self, start: int, end: int, device: torch.device) -> ImageRows | None:
@@ -107,4 +143,4 @@ class EncodedImages:
         return ImageRows(mask.to(device), torch.cat(values).to(device))
 
 
-__all__ = ["PromptImage", "assemble", "check_spans", "key_ids", "image_mask", "EncodedImages"]
+__all__ = ["ImageEncoder", "PromptImage", "assemble", "text_prompt", "IMAGE_PLACEHOLDER", "check_spans", "key_ids", "image_mask", "EncodedImages"]
