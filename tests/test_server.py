@@ -344,12 +344,12 @@ def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
                        headers={"content-type": "application/json"})
         assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
         assert httpx.get(server.url + "/health").status_code == 200
-    # The default limit (4 MiB) refuses a 10 MiB prompt before reading it.
+    # The default limit (32 MiB) refuses a 40 MiB prompt before reading it.
     engine, app = make_app(model, tok)
     with LiveServer(app) as server:
         r = httpx.post(server.url + "/v1/completions", timeout=30,
-                       json={"model": NAME, "prompt": "z" * (10 << 20), "max_tokens": 1})
-        assert r.status_code == 413 and str(4 << 20) in _error(r)["message"]
+                       json={"model": NAME, "prompt": "z" * (40 << 20), "max_tokens": 1})
+        assert r.status_code == 413 and str(32 << 20) in _error(r)["message"]
 
 
 def test_tokenization_runs_off_the_event_loop(stack):

@@ -202,8 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens")
     serve.add_argument("--thinking", action="store_true",
                        help="chat requests that do not say are answered in thinking mode (default: chat mode)")
-    serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                       help="largest request body accepted; larger ones get 413 before they are read (default 4 MiB)")
+    serve.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                       help="largest request body accepted; larger ones get 413 before they are read (default 32 MiB: "
+                            "images arrive inline as base64)")
+    serve.add_argument("--max-images", type=int, default=8, help="most images per request (vision models)")
+    serve.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest encoded image (default 20 MiB)")
+    serve.add_argument("--max-image-pixels", type=int, default=40_000_000,
+                       help="largest image, width x height, checked before decoding (default 40 Mpx)")
+    serve.add_argument("--allowed-local-image-dir", default=None, metavar="DIR",
+                       help="also accept image_url paths (or file:// URLs) of files under DIR (default: data URLs "
+                            "only; the server never fetches from the network)")
 
     verify = _add(sub, "verify", "openflash.commands.model:verify",
                   "check a checkpoint or Engram table folder against its checksums.sha256")

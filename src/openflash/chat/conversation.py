@@ -43,19 +43,41 @@ class ToolCall:
         return json.loads(self.arguments)
 
 
+# Where an image's span goes in a rendered prompt: the server splits the text there and splices the span's ids in.
+IMAGE_MARK = "\x00image\x00"
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image content part: its URL (a data URL, or a local path where the server allows them) and the request
+    field it came from, for error messages."""
+
+    url: str
+    where: str
+
+
 @dataclass(frozen=True)
 class Turn:
-    """One message. `parts` are its text blocks in order (the formats decide how to join them)."""
+    """One message. `parts` are its content blocks in order: text, and images in user turns (the formats decide
+    how to join them; `blocks` gives images as IMAGE_MARK)."""
 
     role: Role
-    parts: tuple[str, ...] = ()
+    parts: tuple[str | ImagePart, ...] = ()
     reasoning: str | None = None  # an assistant turn's reasoning_content
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(p if isinstance(p, str) else IMAGE_MARK for p in self.parts)
+
+    @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return "".join(self.blocks)
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        return tuple(p for p in self.parts if isinstance(p, ImagePart))
 
 
 ToolChoiceMode = Literal["auto", "none", "required", "named"]

@@ -116,9 +116,9 @@ def _merge(turns: Sequence[Turn]) -> list[_Message]:
             if not out or out[-1].role != "user":
                 out.append(_Message("user"))
             if turn.role == "tool":
-                out[-1].blocks.append(("\n\n".join(turn.parts), True, turn.tool_call_id))
+                out[-1].blocks.append(("\n\n".join(turn.blocks), True, turn.tool_call_id))
             else:
-                out[-1].blocks.extend((part, False, None) for part in (turn.parts or ("",)))
+                out[-1].blocks.extend((part, False, None) for part in (turn.blocks or ("",)))
             continue
         if out and out[-1].role == "user":
             _sort_results(out[-1], call_order)
@@ -190,7 +190,7 @@ class DeepSeekV41Format:
         if m.role == "system":
             if i > 0:
                 text += SYSTEM
-            text += "\n\n".join(m.turn.parts) if m.turn else ""
+            text += "\n\n".join(m.turn.blocks) if m.turn else ""
             if m.tools:
                 text += "\n\n" + render_tools(m.tools)
         elif m.role == "user":
@@ -209,7 +209,7 @@ class DeepSeekV41Format:
         """What the model writes for an assistant turn (up to EOS): its reasoning and `</think>` when the turn
         was written in thinking mode and its reasoning is kept, the answer, then its calls block."""
         text = (turn.reasoning or "") + THINK_END if with_reasoning else ""
-        text += "\n\n".join(turn.parts)
+        text += "\n\n".join(turn.blocks)
         return text + (dsml.render_calls(turn.tool_calls) if turn.tool_calls else "")
 
     def parser(self, options: ChatOptions) -> CompletionParser:

@@ -43,7 +43,7 @@ class SimpleFormat:
                                f"this model's (simple) renders tools as text only", param="tool_choice")
 
     def render(self, turns: Sequence[Turn], options: ChatOptions) -> str:
-        system = ["".join(t.parts) for t in turns if t.role == "system"]
+        system = [t.text for t in turns if t.role == "system"]
         if options.tools_on:
             system.append("## Tools\n" + "\n".join(json.dumps(t.schema(), ensure_ascii=False)
                                                    for t in options.tools))

@@ -102,10 +102,17 @@ def serve(args: Any) -> int:
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.serve.app import ServerConfig, build_app
+    from openflash.serve.images import ImagePolicy
+    from openflash.vision.preprocess import ImageLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
         raise OpenflashError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
+    if min(args.max_images, args.max_image_bytes, args.max_image_pixels) < 1:
+        raise OpenflashError("--max-images, --max-image-bytes and --max-image-pixels must be >= 1")
+    local_images = Path(args.allowed_local_image_dir) if args.allowed_local_image_dir else None
+    if local_images is not None and not local_images.is_dir():
+        raise OpenflashError(f"--allowed-local-image-dir {local_images}: not a folder")
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
@@ -132,7 +139,9 @@ def serve(args: Any) -> int:
     log.info("chat template: %s%s", fmt.name, " (thinking by default)" if args.thinking else "")
     config = ServerConfig(model_name=name, chat_format=fmt, thinking_default=args.thinking,
                           max_request_bytes=args.max_request_bytes,
-                          api_key=args.api_key or os.environ.get("OPENFLASH_API_KEY") or None)
+                          api_key=args.api_key or os.environ.get("OPENFLASH_API_KEY") or None,
+                          images=ImagePolicy(ImageLimits(args.max_image_bytes, args.max_image_pixels), args.max_images,
+                                             local_images))
     app = build_app(engine, tokenizer, config)
     stats = engine.stats()
     log.info("model %r: max batch %d, context %d, prefill %s, global cache %.0f B/token (%s), Engram %s",

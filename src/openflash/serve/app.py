@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from openflash.chat.conversation import ChatOptions, Forcing
+from openflash.chat.conversation import IMAGE_MARK, ChatOptions, Forcing
 from openflash.engine.engine import LLMEngine
 from openflash.engine.request import (ERROR, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
                                       QueueFullError, RequestOutput)
@@ -43,11 +43,14 @@ from openflash.errors import OpenflashError, RequestError
 from openflash.serve import metrics as prom
 from openflash.serve.chat import ChatFormat, ChatReply, CompletionParser, chat_options, conversation
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
+from openflash.serve.images import ImagePolicy, image_bytes
 from openflash.serve.protocol import (LONE_SURROGATE, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                       CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
                                       DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                       PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+from openflash.vision.preprocess import PreparedImage, prepare_image
+from openflash.vision.prompt import PromptImage, assemble
 
 log = logging.getLogger("openflash.serve")
 
@@ -73,8 +76,20 @@ class ServerConfig:
     default_max_tokens: int = 256  # chat requests without max_tokens: this, capped by the context left
     drain_timeout: float = 10.0  # seconds running requests get to finish at shutdown
     disconnect_poll: float = 0.25  # seconds between client-disconnect checks of non-streaming requests
-    max_request_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
+    max_request_bytes: int = 32 << 20  # larger bodies get a 413 before they are read (images come inline)
     api_key: str | None = None  # when set, /v1, /tokenize and /detokenize need "Authorization: Bearer <key>"
+    images: ImagePolicy = field(default_factory=ImagePolicy)  # image content parts: sources and limits
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat request: token ids (image spans included), the forced text already at their end ("" if
+    none; the reply's parser reads it first), a forcing that waits for the model's reasoning to end, the spans."""
+
+    ids: list[int]
+    forced: str = ""
+    deferred: Forcing | None = None
+    images: list[PromptImage] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +112,7 @@ class _Choice:
     reply: ChatReply | None = None
     delta: DeltaMessage | None = None
     continuation: Forcing | None = None  # forced text to write once the model emits continuation.after_token
+    images: list[PromptImage] = field(default_factory=list)  # the prompt's image spans
     token_ids: list[int] = field(default_factory=list)  # every completion token so far, forced ones included
     earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
 
@@ -121,14 +137,16 @@ class _Job:
 
     def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "",
                parser: CompletionParser | None = None, reply: ChatReply | None = None,
-               continuation: Forcing | None = None) -> None:
+               continuation: Forcing | None = None, images: list[PromptImage] | None = None) -> None:
         index = len(self.choices)
         first = params
         if continuation is not None:  # stop at its token, then force the text (_continue)
             first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
-        seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos)
+        seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos,
+                                      images=images or ())
         self.choices.append(_Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
-                                    text=prefix, parser=parser, reply=reply, continuation=continuation))
+                                    text=prefix, parser=parser, reply=reply, continuation=continuation,
+                                    images=list(images or ())))
 
     def apply(self, index: int, out: RequestOutput) -> _Choice:
         c = self.choices[index]
@@ -166,7 +184,8 @@ class _Job:
         try:
             seq = self.engine.add_request(c.prompt_ids + c.token_ids + forced_ids,
                                           replace(c.params, max_tokens=c.params.max_tokens - used),
-                                          on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos)
+                                          on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos,
+                                          images=c.images)
         except OpenflashError as exc:
             log.warning("forcing the tool call of choice %d failed: %s", c.index, exc)
             return None
@@ -273,19 +292,43 @@ class OpenflashServer:
             return [list(p)]
         return [self.encode(x) if isinstance(x, str) else list(x) for x in p]
 
-    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> tuple[list[int], str, Forcing | None]:
-        """Token ids of the rendered conversation; the forced text already at its end ("" if none), which the
-        reply's parser reads first; and a forcing that waits for the model's reasoning to end."""
+    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> ChatPrompt:
+        """The rendered conversation as token ids, with its images decoded and placed (see ChatPrompt)."""
         fmt = self.config.chat_format
         try:
             fmt.check(options)
-            text = fmt.render(conversation(messages), options)
+            turns = conversation(messages)
+            text = fmt.render(turns, options)
+            images = self.prepare_images([image for turn in turns for image in turn.images])
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param or "messages", code="invalid_value") from None
         forcing = fmt.forcing(options)
-        if forcing is None or forcing.after_token is not None:
-            return self.encode(text, add_special_tokens=False), "", forcing
-        return self.encode(text + forcing.text, add_special_tokens=False), forcing.text, None
+        forced = "" if forcing is None or forcing.after_token is not None else forcing.text
+        pieces = (text + forced).split(IMAGE_MARK)
+        if len(pieces) != len(images) + 1:  # the format dropped or repeated an image: a bug, not the request's
+            raise RuntimeError(f"the {fmt.name} chat format rendered {len(pieces) - 1} image marks for "
+                               f"{len(images)} images")
+        segments: list[list[int] | PreparedImage] = []
+        for k, piece in enumerate(pieces):
+            segments.append(self.encode(piece, add_special_tokens=False))
+            if k < len(images):
+                segments.append(images[k])
+        ids, placed = assemble(segments, self.engine.cfg.image_token_id)
+        return ChatPrompt(ids, forced, forcing if not forced else None, placed)
+
+    def prepare_images(self, parts: list[Any]) -> list[PreparedImage]:
+        """Decode and preprocess a request's image parts (RequestError naming the part for a bad one)."""
+        if not parts:
+            return []
+        vision = self.engine.cfg.vision
+        if vision is None:
+            raise RequestError(f"{parts[0].where}: this model has no vision tower; it takes text only",
+                               param=parts[0].where)
+        policy = self.config.images
+        if len(parts) > policy.max_images:
+            raise RequestError(f"messages: {len(parts)} images, over the limit of {policy.max_images} per request",
+                               param=parts[policy.max_images].where)
+        return [prepare_image(image_bytes(p.url, p.where, policy), vision, policy.limits, p.where) for p in parts]
 
     def chat_options(self, body: ChatCompletionRequest) -> ChatOptions:
         try:
@@ -381,7 +424,8 @@ class OpenflashServer:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
         options = self.chat_options(body)
-        ids, forced, deferred = await self.off_loop(self.chat_prompt, body.messages, options)
+        prompt = await self.off_loop(self.chat_prompt, body.messages, options)
+        ids = prompt.ids
         self.check_ids(ids, "messages")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
@@ -392,9 +436,9 @@ class OpenflashServer:
             for _ in range(body.n):
                 params = self.sampling(body, max_tokens, len(job.choices))
                 parser, reply = fmt.parser(options), ChatReply()
-                reply.add(parser.feed(forced))  # the forced text opens a call: nothing final yet
+                reply.add(parser.feed(prompt.forced))  # the forced text opens a call: nothing final yet
                 self.submit(job, ids, params, body.ignore_eos, "messages", parser=parser, reply=reply,
-                            continuation=deferred)
+                            continuation=prompt.deferred, images=prompt.images)
         except APIError:
             job.abort_unfinished()
             raise
@@ -434,12 +478,14 @@ class OpenflashServer:
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
+        image_tokens = 0
         if body.messages is not None:
-            ids, _, _ = await self.off_loop(self.chat_prompt, body.messages,
-                                            ChatOptions(self.config.thinking_default))
+            prompt = await self.off_loop(self.chat_prompt, body.messages, ChatOptions(self.config.thinking_default))
+            ids, image_tokens = prompt.ids, sum(p.image.num_tokens for p in prompt.images)
         else:
             ids = await self.off_loop(self.encode, body.prompt)
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context,
+                                image_tokens=image_tokens)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)

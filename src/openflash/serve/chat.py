@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from openflash.chat.conversation import (ChatOptions, Content, Forcing, Piece, Reasoning, ToolCall, Turn,
-                                         check_arguments, check_tool)
+from openflash.chat.conversation import (IMAGE_MARK, ChatOptions, Content, Forcing, ImagePart, Piece, Reasoning,
+                                         ToolCall, Turn, check_arguments, check_tool)
 from openflash.errors import RequestError
 from openflash.serve.protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, DeltaMessage,
                                       FunctionCallDelta, FunctionCallOut, NamedToolChoice, ToolCallDelta, ToolCallOut)
@@ -95,7 +95,19 @@ def conversation(messages: Sequence[ChatMessage]) -> list[Turn]:
             raise RequestError(f"{where}.tool_call_id: a tool message must say which call it answers",
                                param=f"{where}.tool_call_id")
         reasoning = m.reasoning_content if role == "assistant" else None
-        turns.append(Turn(role, tuple(m.parts()), reasoning, tuple(calls), m.tool_call_id))
+        parts = []
+        try:
+            content = m.parts()
+        except ValueError as exc:
+            raise RequestError(f"{where}.{exc}", param=f"{where}.content") from None
+        for part in content:
+            if isinstance(part, ImagePart):
+                part = ImagePart(part.url, f"{where}.{part.where}")
+            elif IMAGE_MARK in part:
+                raise RequestError(f"{where}.content: the text holds a NUL-delimited image marker, which this "
+                                   f"server reserves", param=f"{where}.content")
+            parts.append(part)
+        turns.append(Turn(role, tuple(parts), reasoning, tuple(calls), m.tool_call_id))
     return turns
 
 

@@ -15,6 +15,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 from pydantic_core import PydanticCustomError
 
+from openflash.chat.conversation import ImagePart
+
 StopType = Union[str, list[str], None]
 LONE_SURROGATE = "invalid_text"  # the error type the server turns into a 400 naming the field
 
@@ -143,10 +145,17 @@ class CompletionRequest(_Request):
         return v
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: str | None = None  # accepted and ignored: the spec's preprocessing decides the resolution
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCallIn(BaseModel):
@@ -173,17 +182,24 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call answered
 
-    def parts(self) -> list[str]:
-        """The text blocks of the content (ValueError for non-text parts)."""
+    def parts(self) -> list[str | ImagePart]:
+        """The content blocks: text, and images (user messages; ValueError for other part types)."""
         if self.content is None:
             return []
         if isinstance(self.content, str):
             return [self.content]
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content part type {part.type!r} is not supported (text only)")
-            parts.append(part.text)
+        parts: list[str | ImagePart] = []
+        for j, part in enumerate(self.content):
+            if part.type == "image_url":
+                if part.image_url is None:
+                    raise ValueError(f"content part {j}: type 'image_url' needs an image_url object with a url")
+                if self.role != "user":
+                    raise ValueError(f"content part {j}: only user messages carry images, not {self.role!r}")
+                parts.append(ImagePart(part.image_url.url, f"content.{j}.image_url.url"))
+            elif part.type == "text" and part.text is not None:
+                parts.append(part.text)
+            else:
+                raise ValueError(f"content part {j}: type {part.type!r} is not supported (text, image_url)")
         return parts
 
 
@@ -242,7 +258,7 @@ class ChatCompletionRequest(_Request):
 
     @field_validator("messages")
     @classmethod
-    def _text_only(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+    def _known_parts(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         for i, m in enumerate(v):
             try:
                 m.parts()
@@ -387,8 +403,9 @@ class ModelList(BaseModel):
 
 class TokenizeResponse(BaseModel):
     tokens: list[int]
-    count: int
+    count: int  # image spans included: each image counts its span's positions (spec §A.2)
     max_model_len: int
+    image_tokens: int = 0  # of `count`, the positions of image spans
 
 
 class DetokenizeResponse(BaseModel):
