@@ -130,7 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dspark", action="store_true",
                        help="train a DSpark drafter for the --init model (its backbone frozen); --out: the checkpoint "
                             "folder written")
-    train.add_argument("--init", default=None, help="with --dspark: the trained run folder or checkpoint")
+    train.add_argument("--init", default=None,
+                       help="with --dspark or --vision-data: the model to start from (run folder, checkpoint; a preset "
+                            "for --vision-data)")
+    train.add_argument("--vision-data", default=None, metavar="PAIRS.jsonl",
+                       help="fine-tune the --init model (with a vision tower) on image+text pairs: one JSON object a "
+                            "line, {\"image\": \"a.png\", \"prompt\": \"...\", \"text\": \"...\"} (paths relative to "
+                            "the file); --out: the checkpoint folder written")
+    train.add_argument("--freeze-vision", action="store_true", help="with --vision-data: keep the ViT and aligner")
     train.add_argument("--anchors", type=int, default=32, help="with --dspark: draft blocks per sequence per step")
 
     demo = _add(sub, "demo", "openflash.commands.train:demo",

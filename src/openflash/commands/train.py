@@ -41,6 +41,24 @@ def train_dspark(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_vision_pairs(args: argparse.Namespace) -> int:
+    """`openflash train --vision-data PAIRS.jsonl --init M --out DIR [--steps N] [--batch-size B] ...`."""
+    import logging
+
+    from openflash.train.vision import VLTrainConfig, train_vision
+
+    if args.init is None:
+        raise OpenflashError("--vision-data needs --init (a preset such as tiny-vl, a checkpoint or a run folder)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    summary = train_vision(VLTrainConfig(data=args.vision_data, init=args.init, out=args.out, steps=args.steps,
+                                         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                                         freeze_vision=args.freeze_vision, seed=args.seed,
+                                         max_minutes=args.max_minutes))
+    print(f"vision fine-tune: {summary['examples']} examples, {summary['steps']} steps, loss "
+          f"{summary['first']['loss']:.3f} -> {summary['last']['loss']:.3f}; model: {args.out}")
+    return 0
+
+
 def data_prepare(args: argparse.Namespace) -> int:
     """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`."""
     prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
@@ -70,10 +88,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def train(args: argparse.Namespace) -> int:
     """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks), or
     `openflash train --dspark --init RUN --out DIR`: a drafter for a trained model."""
+    if args.dspark and args.vision_data:
+        raise OpenflashError("--dspark and --vision-data are separate runs; give one")
     if args.dspark:
         return train_dspark(args)
+    if args.vision_data:
+        return train_vision_pairs(args)
     if args.init is not None:
-        raise OpenflashError("--init is for --dspark (a drafter for a trained model)")
+        raise OpenflashError("--init is for --dspark (a drafter for a trained model) or --vision-data")
     if args.data is None:
         raise OpenflashError("--data is required (a folder written by `openflash data prepare`)")
     cfg = config_from_args(args)
