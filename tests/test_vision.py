@@ -92,6 +92,18 @@ def test_every_png_mode_and_jpeg_becomes_normalised_bf16_patches(mode):
     assert img.types.tolist() == [IMAGE_START] + ([IMAGE] * g.n_llm_w + [IMAGE_NEW_LINE]) * g.n_llm_h + [IMAGE_END]
 
 
+@pytest.mark.parametrize("h,w", [(2000, 12), (12, 2000), (1, 1), (3000, 4000)])
+def test_tall_wide_tiny_and_huge_images_fit_the_cap(h, w):
+    img = prepare_image(_png(Image.new("RGB", (w, h), (200, 30, 90))), B2)
+    g = img.grid
+    assert g.num_tokens <= B2.max_image_tokens and img.types.numel() == g.num_tokens
+    assert img.patches.shape[0] == g.n_vit_h * g.n_vit_w
+    if h > 100 * w:
+        assert g.n_llm_w == 1  # a single column
+    if w > 100 * h:
+        assert g.n_llm_h == 1  # a single row
+
+
 def test_alpha_is_dropped_and_patches_are_row_major_channel_major():
     pixels = np.zeros((28, 28, 4), dtype=np.uint8)
     pixels[:14, 14:, 0] = 255  # top-right patch pure red, fully transparent

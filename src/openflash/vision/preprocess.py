@@ -143,8 +143,11 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), where: str = 
                 return _to_rgb(source)
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"{where}: not a readable image ({type(exc).__name__}: {exc})", where) from None
+    except UnidentifiedImageError:
+        raise ImageError(f"{where}: not a readable image (no image format Pillow knows: PNG, JPEG, WebP, GIF, BMP, "
+                         f"...)", where) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"{where}: not a readable image ({exc})", where) from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or corrupt data
         raise ImageError(f"{where}: the image data is damaged or truncated ({exc})", where) from None
 
