@@ -34,6 +34,7 @@ from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 from openflash.model.vision import ImageRows
 from openflash.tokenizer import preset_tokenizer
+from openflash.train.optim import Schedule
 from openflash.vision.prompt import IMAGE_PLACEHOLDER, PromptImage, text_prompt
 
 log = logging.getLogger("openflash.train")
@@ -154,14 +155,14 @@ def train_vision(cfg: VLTrainConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)
+    schedule = Schedule(warmup=min(10, cfg.steps), total=cfg.steps)  # the trainer's: warm-up, cosine to 10%
     model.train()
     start, history = time.perf_counter(), []
     for step in range(cfg.steps):
         if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
             break
-        lr = cfg.lr * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = cfg.lr * schedule.multiplier(step)
         picks = torch.randint(0, len(examples), (min(cfg.batch_size, len(examples)),), generator=gen).tolist()
         inputs, targets, images = vl_batch([examples[i] for i in picks], model, model.cfg.pad_token_id)
         out = model(inputs, targets, engram=memory.prefetch_batch(inputs, images.mask), images=images)
