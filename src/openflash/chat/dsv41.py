@@ -194,6 +194,8 @@ class DeepSeekV41Format:
             if m.tools:
                 text += "\n\n" + render_tools(m.tools)
         elif m.role == "user":
+            # An image part is one more block (IMAGE_MARK, where the server splices its span). UNCERTAIN: the public
+            # encoders state no separator for image parts; we join them like text blocks.
             text += USER + "\n\n".join(f"<tool_result>{t}</tool_result>" if is_result else t
                                        for t, is_result, _ in m.blocks)
         else:  # assistant
