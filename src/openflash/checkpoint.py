@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
+from torch import nn
 
 from openflash import formats
 from openflash.atomic import write_text_atomic
@@ -36,8 +37,9 @@ from openflash.manifest import verify_manifest, write_manifest
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import TokenMap
+from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
-from openflash.model.transformer import Transformer
+from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
 from openflash.run_dir import latest_checkpoint
 from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
@@ -64,7 +66,8 @@ _F32_NAMES = re.compile(r"(attn_sink|gate\.bias|gate\.bias_vl|hc_(attn|ffn)_(fn|
 class LoadReport:
     path: Path
     tensors: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # unimplemented part -> tensor count
+    skipped: dict[str, int] = field(default_factory=dict)  # part left unread -> tensor count
+    residency: str = "dequantized"  # weight residency the model runs with (Transformer.set_weight_residency)
     tokenizer: Tokenizer | None = None  # the checkpoint's tokenizer.json, else the DeepSeek tokenizer
     engram_frontend: EngramFrontend | None = None  # token map (its own file, else the tokenizer's) and hasher
 
@@ -72,7 +75,7 @@ class LoadReport:
         text = f"{self.path}: loaded {self.tensors} tensors"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{v} {k}" for k, v in self.skipped.items())
-        return text
+        return text + f"; weights {self.residency}"
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
-               verify: bool = False) -> LoadedModel:
+               verify: bool = False, weights: str = "auto") -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
     if spec in PRESETS:
@@ -172,19 +175,24 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
         torch.manual_seed(0)
         return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
                            f"preset '{spec}' with random weights (outputs are noise)")
-    model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify)
+    model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify,
+                                    weights=weights)
     return LoadedModel(model, report.tokenizer, report.engram_frontend, report.summary())
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
                     tokenizer_path: str | Path | None = None,
-                    skip_engram_tables: bool = False, verify: bool = False) -> tuple[Transformer, LoadReport]:
+                    skip_engram_tables: bool = False, verify: bool = False,
+                    weights: str = "dequantized") -> tuple[Transformer, LoadReport]:
     """Build the model of a checkpoint folder (or of a training run folder's latest checkpoint) and load its
     weights; returns (model in eval mode, report with the tokenizer).
 
     skip_engram_tables: leave the Engram tables (`layers.N.engram.embed.*`, 189 GiB released) unread, on the meta
     device, for a host / disk / sharded tier to serve (memory/placement.py); their names and shapes are still checked.
     verify: first check every file against the folder's checksums.sha256 (manifest.py); off by default.
+    weights: "dequantized" (bf16 tensors promoted to fp32, FP8/FP4 linears cached in fp32 at first use) or
+    "stored" (only the stored bytes resident: bf16 matrices stay bf16, linears dequantize tile by tile); "auto"
+    picks "stored" when the dequantized copies would not fit comfortably in memory (`choose_residency`).
     """
     folder = checkpoint_folder(path)
     if verify:
@@ -199,6 +207,11 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
     model = build_model(cfg, numerics, device="meta")
     expected = model.state_dict()
+    if weights == "auto":
+        weights = choose_residency(model)
+    if weights not in WEIGHT_RESIDENCIES:
+        raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES} or auto, got {weights!r}")
+    keep_bf16 = _bf16_matrices(model) if weights == "stored" else set()
     report = LoadReport(folder, tokenizer=tokenizer, engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
 
     problems: list[str] = []
@@ -252,7 +265,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
             # The reference holds wo_a in bf16 after its convert step (exact for FP8 values).
             tensor = tensor.to(torch.bfloat16)
         if want_dtype == "F32" and meta.is_floating_point():
-            tensor = tensor.to(torch.float32)
+            if not (name in keep_bf16 and tensor.dtype == torch.bfloat16):
+                tensor = tensor.to(torch.float32)
         elif want_dtype == "F8_E8M0" and tensor.dtype == torch.uint8:
             tensor = tensor.view(torch.float8_e8m0fnu)
         state[name] = tensor.to(device)
@@ -266,8 +280,73 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         log.info("%s: %d tensors absent, set to zeros (%s), e.g. %s", folder, len(zero_filled), why, zero_filled[0])
     model.load_state_dict(state, assign=True, strict=not skip_engram_tables)
     _materialize_runtime_buffers(model, device)
+    model.set_weight_residency(weights)
     report.tensors = len(state)
+    report.residency = weights
     return model.eval(), report
+
+
+def _bf16_matrices(model: Transformer) -> set[str]:
+    """State-dict names of the matrices whose consumers compute in fp32 from any float dtype (linears, embedding
+    tables, the vision tower's linears): under "stored" residency these stay bf16 as stored."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, (Linear, nn.Linear, nn.Embedding)) and isinstance(module.weight, nn.Parameter):
+            names.add(f"{prefix}.weight" if prefix else "weight")
+    return names
+
+
+def dequantized_bytes(model: Transformer) -> int:
+    """What "dequantized" residency adds over the stored bytes: fp32 copies of FP8/FP4 linears, bf16 promoted."""
+    extra = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized:
+            extra += 4 * module.in_features * module.out_features
+    extra += sum(2 * p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and
+                 not n.endswith("engram.embed.weight") and p.dtype in (torch.float32, torch.bfloat16))
+    return extra
+
+
+def resident_bytes(model: Transformer) -> int:
+    """Bytes the model holds: its parameters and buffers (each storage once) plus fp32 caches of its linears."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta":
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    for module in model.modules():
+        if isinstance(module, Linear) and module._dequant is not None:
+            total += module._dequant.numel() * module._dequant.element_size()
+    return total
+
+
+def choose_residency(model: Transformer, available: int | None = None) -> str:
+    """"dequantized" when its fp32 copies take at most a quarter of the memory available (it is the faster:
+    docs/benchmarks.md, weight residency), else "stored"."""
+    free = available if available is not None else available_memory()
+    return "dequantized" if dequantized_bytes(model) <= free // 4 else "stored"
+
+
+def available_memory() -> int:
+    """Bytes of memory available to this process (MemAvailable; the cgroup limit where lower)."""
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free, room) if free is not None else room
+    except (OSError, ValueError):
+        pass
+    return free if free is not None else 16 << 30
 
 
 def _materialize_runtime_buffers(model: Transformer, device: str | torch.device) -> None:

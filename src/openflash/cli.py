@@ -18,6 +18,9 @@ from typing import Callable, Sequence
 
 from openflash.errors import OpenflashError
 
+WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights: fastest), stored (only the stored bytes "
+                "resident, dequantized tile by tile: memory = checkpoint size), auto (dequantized when that fits in a "
+                "quarter of the available memory; the default)")
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     """Resolve "module:function" lazily, at run time."""
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--numerics", default="reference", choices=["reference", "fp32"],
                         help="reference: reproduce the reference's bf16 rounding points (default); fp32: the fast path")
     parity.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parity.add_argument("--weights", default="dequantized", choices=["dequantized", "stored"],
+                        help="weight residency to check (stored: computed tile by tile from the stored formats)")
 
     # engram ------------------------------------------------------------------------------------------------
     engram = sub.add_parser("engram", help="Engram memory: hashing and table files")
@@ -159,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+    gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -171,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
+    serve.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
     serve.add_argument("--engram-placement", default="device", choices=["device", "host", "disk", "sharded"],

@@ -81,14 +81,15 @@ class GoldenProbe:
         return value if ref is None else ref.to(value.dtype).to(value.device).view(value.shape)
 
 
-def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forced: bool = True) -> list[Comparison]:
+def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forced: bool = True,
+               weights: str = "dequantized") -> list[Comparison]:
     folder = Path(golden_dir)
     for name in ("config.json", "inputs.json", "expected.safetensors"):
         if not (folder / name).exists():
             raise OpenflashError(f"{folder}: not a golden folder (missing {name})")
     inputs = json.loads((folder / "inputs.json").read_text())
     expected = load_file(str(folder / "expected.safetensors"))
-    model, report = load_checkpoint(folder, numerics=numerics)
+    model, report = load_checkpoint(folder, numerics=numerics, weights=weights)
     memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
     cfg = model.cfg
     ours: dict[str, torch.Tensor] = {}

@@ -61,8 +61,8 @@ def parity(args: Any) -> int:
     all_ok = True
     report = {}
     for folder in args.golden_dir:
-        results = run_golden(folder, args.numerics, teacher_forced=True)
-        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False))
+        results = run_golden(folder, args.numerics, teacher_forced=True, weights=args.weights)
+        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False, weights=args.weights))
         ok = all(c.passed for c in results)
         all_ok &= ok
         report[folder] = {"pass": ok, "teacher_forced": [c.__dict__ for c in results], "free_running": free}

@@ -21,7 +21,7 @@ log = logging.getLogger("openflash.serve")
 
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
-    loaded = open_model(args.model, args.tokenizer, verify=args.verify)
+    loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     if args.speculative is not None:
@@ -116,7 +116,7 @@ def serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify)
+    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)

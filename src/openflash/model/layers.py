@@ -4,8 +4,13 @@ A `Linear` holds its weight in one of three storage kinds:
 - "float": a trainable fp32 parameter `weight` (models trained here, and bf16/fp32 checkpoint tensors);
 - "fp8": `weight` FP8 E4M3 [out, in] + `scale` UE8M0 [ceil(out/32), ceil(in/32)] (dense released linears);
 - "fp4": `weight` I8 [out, in/2] (two E2M1 codes per byte) + `scale` UE8M0 [out, in/32] (routed experts).
-Quantized weights are dequantized to fp32 once and cached (the CPU path is compute-bound on tiny and small models,
-and re-dequantizing every call costs more than the matmul); the cache is rebuilt when the stored bytes change.
+Two residencies (`Linear.keep_dequantized`, set model-wide by `Transformer.set_weight_residency`):
+- "dequantized" (the default for models that fit): quantized weights are dequantized to fp32 once and cached (the
+  CPU path is compute-bound on small models, and re-dequantizing every call costs more than the matmul); the cache
+  is rebuilt when the stored bytes change.
+- "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16); each
+  call dequantizes one tile of output rows at a time (at most TILE_BYTES of fp32) and multiplies it in fp32, so
+  memory is the checkpoint's size plus one tile. Same values, same fp32 arithmetic.
 Inputs to quantized weights are FP8-quantized per 32 channels first, as the reference's GEMMs do.
 """
 
@@ -59,8 +64,13 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, d_weight, None
 
 
+TILE_BYTES = 16 << 20  # "stored" residency: fp32 bytes of weight rows dequantized at once
+
+
 class Linear(nn.Module, NumericsMixin):
     """y = x W^T with W stored as "float", "fp8" or "fp4" (see module doc). No bias: V4.1 has none."""
+
+    keep_dequantized: bool = True  # residency: False = "stored" (module doc)
 
     def __init__(self, in_features: int, out_features: int, storage: str = "float", exact_fp32: bool = False) -> None:
         super().__init__()
@@ -89,18 +99,38 @@ class Linear(nn.Module, NumericsMixin):
     def quantized(self) -> bool:
         return self.storage != "float"
 
+    @property
+    def fp32_resident(self) -> bool:
+        """The fp32 weight is at hand without converting: an fp32 parameter, or the dequantized cache."""
+        return self.weight.dtype == torch.float32 or self.keep_dequantized
+
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight as fp32 [out, in]; cached for quantized storage."""
+        """The weight as fp32 [out, in]: cached for quantized storage when keeping it dequantized, a temporary
+        otherwise."""
         if not self.quantized:
-            return self.weight
+            return self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        if not self.keep_dequantized:
+            return self.dequantized_rows(0, self.out_features)
         key = (self.weight.data_ptr(), self.weight._version, self.scale._version, self.weight.device)
         if self._dequant is None or self._dequant_key != key:
-            if self.storage == "fp8":
-                self._dequant = formats.dequantize_fp8_blocks(self.weight, self.scale)
-            else:
-                self._dequant = formats.dequantize_mxfp4(self.weight, self.scale)
+            self._dequant = self.dequantized_rows(0, self.out_features)
             self._dequant_key = key
         return self._dequant
+
+    def dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Output rows [start, stop) of the weight in fp32 (start a multiple of 32 for fp8: its scale blocks)."""
+        if self.storage == "fp8":
+            return formats.dequantize_fp8_blocks(self.weight[start:stop], self.scale[start // 32: -(-stop // 32)])
+        if self.storage == "fp4":
+            return formats.dequantize_mxfp4(self.weight[start:stop], self.scale[start:stop])
+        return self.weight[start:stop].float()
+
+    def tile_rows(self) -> int:
+        """Output rows per tile in "stored" residency: a multiple of 32 within TILE_BYTES of fp32."""
+        return max(32, TILE_BYTES // (4 * self.in_features) // 32 * 32)
+
+    def drop_dequantized(self) -> None:
+        self._dequant = self._dequant_key = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_kernels(self.numerics).linear(self, x)
@@ -138,11 +168,25 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        w = layer.dequantized_weight()
         if layer.quantized and layer.numerics.act_quant:
             x = formats.act_quant_qdq(x)
-        y = F.linear(x.to(w.dtype), w)
+        if layer.fp32_resident:
+            w = layer.dequantized_weight()
+            y = F.linear(x.to(w.dtype), w)
+        else:
+            y = _tiled_linear(layer, x)
         return y if layer.exact_fp32 else layer.numerics.round(y)
+
+
+def _tiled_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32 from the stored weight, one tile of output rows dequantized at a time."""
+    x2 = x.reshape(-1, layer.in_features).float()
+    out = x2.new_empty(x2.shape[0], layer.out_features)
+    step = layer.tile_rows()
+    for start in range(0, layer.out_features, step):
+        stop = min(start + step, layer.out_features)
+        out[:, start:stop] = x2 @ layer.dequantized_rows(start, stop).t()
+    return out.view(*x.shape[:-1], layer.out_features)
 
 
 class ReferenceLayerKernels(LayerKernels):

@@ -44,6 +44,7 @@ from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
 log = logging.getLogger("openflash.model")
 
+WEIGHT_RESIDENCIES = ("dequantized", "stored")
 NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepared from the same token ids by its "
            "Engram memory (openflash.memory.placement.EngramMemory.prepare, or prefetch_batch for training)")
 
@@ -91,6 +92,18 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, NumericsMixin):
                 module.numerics = numerics
+        return self
+
+    def set_weight_residency(self, residency: str) -> "Transformer":
+        """"dequantized": quantized weights cached in fp32 once (fast where it fits); "stored": only the stored
+        bytes stay resident, linears dequantize one tile at a time (model/layers.py)."""
+        if residency not in WEIGHT_RESIDENCIES:
+            raise ValueError(f"weight residency must be one of {WEIGHT_RESIDENCIES}, got {residency!r}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.keep_dequantized = residency == "dequantized"
+                if not module.keep_dequantized:
+                    module.drop_dequantized()
         return self
 
     def engram_tables(self) -> dict[int, DeviceTable]:

@@ -1,0 +1,65 @@
+"""Weights that stay in their stored formats ("stored" residency): memory is the checkpoint's size, outputs are
+those of the dequantized path, and parity holds (model/layers.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from openflash.checkpoint import choose_residency, load_checkpoint, resident_bytes
+from openflash.errors import CheckpointError
+from openflash.memory.placement import EngramMemory
+from openflash.model import layers
+from openflash.parity import run_golden
+
+GOLDENS = Path(__file__).parent / "goldens"
+
+
+def _run(folder: Path, weights: str) -> tuple[list[torch.Tensor], int]:
+    model, report = load_checkpoint(folder, weights=weights)
+    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
+    torch.manual_seed(1)
+    ids = torch.randint(3, model.cfg.vocab_size - 8, (2, 40))
+    cache = model.new_cache(2)
+    out = [model.step(ids, cache, engram=memory.prepare(ids, cache))]
+    for _ in range(3):
+        token = out[-1].argmax(-1, keepdim=True)
+        out.append(model.step(token, cache, engram=memory.prepare(token, cache)))
+    return out, resident_bytes(model)
+
+
+@pytest.mark.parametrize("golden", ["A2", "B2"])
+def test_stored_weights_take_the_checkpoint_size_and_give_the_same_logits(golden):
+    folder = GOLDENS / golden
+    size = (folder / "model.safetensors").stat().st_size
+    stored, stored_bytes = _run(folder, "stored")
+    dequantized, dequantized_bytes = _run(folder, "dequantized")
+    assert stored_bytes <= 1.03 * size, (stored_bytes, size)
+    assert dequantized_bytes > 2 * size  # fp32 copies of FP8 / FP4 / bf16
+    for a, b in zip(stored, dequantized):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_many_small_tiles_change_nothing(monkeypatch):
+    monkeypatch.setattr(layers, "TILE_BYTES", 1)  # 32 output rows per tile
+    tiled, _ = _run(GOLDENS / "A2", "stored")
+    monkeypatch.undo()
+    whole, _ = _run(GOLDENS / "A2", "dequantized")
+    for a, b in zip(tiled, whole):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_parity_holds_with_stored_weights():
+    results = run_golden(GOLDENS / "B2", "reference", teacher_forced=True, weights="stored")
+    assert all(c.passed for c in results), [c.key for c in results if not c.passed]
+
+
+def test_auto_picks_stored_when_the_copies_would_not_fit():
+    model, _ = load_checkpoint(GOLDENS / "A2", weights="stored")
+    assert choose_residency(model, available=1 << 20) == "stored"
+    assert choose_residency(model, available=1 << 40) == "dequantized"
+    assert load_checkpoint(GOLDENS / "A2", weights="auto")[1].residency == "dequantized"  # tiny: it fits
+    with pytest.raises(CheckpointError, match="weights must be one of"):
+        load_checkpoint(GOLDENS / "A2", weights="fp4")
