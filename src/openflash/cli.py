@@ -91,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors, sharded or not)")
     export.add_argument("out_dir", help="output folder for the table files")
 
+    # checkpoint --------------------------------------------------------------------------------------------
+    ckpt = sub.add_parser("checkpoint", help="checkpoint folders in the official layout")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", metavar="SUBCOMMAND")
+    ckpt_sub.required = True
+    synth = _add(ckpt_sub, "synth", "openflash.commands.model:synth",
+                 "write a random-weights checkpoint in the official layout (FP8 / FP4 / bf16, shards + index)")
+    synth.add_argument("config", help="preset name (flash: the released widths) or config.json path")
+    synth.add_argument("out", help="new folder to write")
+    synth.add_argument("--layers", type=int, default=None,
+                       help="keep the widths, take the first N layers (valid CSA2 topology; drops the DSpark head)")
+    synth.add_argument("--experts", type=int, default=None, help="routed experts per layer (top-k capped at N)")
+    synth.add_argument("--seed", type=int, default=0, help="random seed")
+    synth.add_argument("--no-vision", action="store_true", help="leave out the vision tower")
+    synth.add_argument("--shard-bytes", type=int, default=4 << 30, help="largest shard (default 4 GiB)")
+    synth.add_argument("--dense-table-bytes", type=int, default=1 << 30,
+                       help="Engram tables above this size are written as SPARSE files of zero rows (no disk space, "
+                            "read back as zeros; the released 94.4 GiB tables always are); smaller ones get random rows")
+
     # data / tokenizer --------------------------------------------------------------------------------------
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")

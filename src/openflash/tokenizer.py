@@ -80,6 +80,11 @@ def _cut_deepseek_json(num_ids: int) -> str | None:
     return json.dumps(full)
 
 
+def needs_cut(vocab_size: int) -> bool:
+    """A vocabulary smaller than DeepSeek's: its tokenizer is the cut (deepseek_tokenizer_for_vocab)."""
+    return _cut_deepseek_json(vocab_size) is not None
+
+
 def preset_tokenizer(config: "FlashConfig") -> Tokenizer:
     """The tokenizer a preset comes with: DeepSeek's, cut to the preset's vocabulary when that is smaller."""
     if _cut_deepseek_json(config.vocab_size) is None:

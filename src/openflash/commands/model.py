@@ -94,3 +94,17 @@ def verify(args: Any) -> int:
         return 0
     print(verify_manifest(folder).summary())
     return 0
+
+
+def synth(args: Any) -> int:
+    """`openflash checkpoint synth CONFIG OUT [--layers N] [--experts N] [--seed S]`."""
+    from openflash.plan import format_bytes
+    from openflash.synth import synthesize
+
+    report = synthesize(args.config, args.out, layers=args.layers, experts=args.experts, seed=args.seed,
+                        vision=not args.no_vision, shard_bytes=args.shard_bytes,
+                        dense_table_bytes=args.dense_table_bytes)
+    sparse = f"; sparse Engram tables (zero rows): {', '.join(report.sparse_tables)}" if report.sparse_tables else ""
+    print(f"{report.folder}: {report.tensors} tensors in {report.shards} shards, {format_bytes(report.logical_bytes)} "
+          f"of tensors, {format_bytes(report.bytes_written)} written{sparse}")
+    return 0
