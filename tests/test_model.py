@@ -179,6 +179,7 @@ def test_batched_experts_match_the_per_expert_loop(storage):
             x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(n))
             weights, ids = moe.gate(x, None)
             counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
-            looped = moe._routed_grouped(x, weights, ids, counts)
-            batched = moe._routed_batched(x, weights, ids, counts)
+            own = {e: moe.experts[e] for e in range(len(moe.experts))}
+            looped = moe._routed_grouped(x, weights, ids, counts, own)
+            batched = moe._routed_batched(x, weights, ids, counts, own)
             torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)

@@ -34,6 +34,7 @@ from openflash.atomic import write_text_atomic
 from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.manifest import verify_manifest, write_manifest
+from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import TokenMap
@@ -59,6 +60,7 @@ _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 TOKEN_MAP_FILE = "engram_token_map.npy"
 # Tensors a text-only writer leaves out of a config that has a vision tower: (pattern, why zeros are right).
 _ZERO_IF_ABSENT = ((re.compile(r"ffn\.gate\.bias_vl$"), "the router's image-token bias; zeros route images like text"),)
+_ROUTED_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.")  # the backbone's (not the DSpark stages')
 _F32_NAMES = re.compile(r"(attn_sink|gate\.bias|gate\.bias_vl|hc_(attn|ffn)_(fn|base|scale))$")
 
 
@@ -145,6 +147,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     engram_frontend: EngramFrontend | None
     note: str  # what was loaded, for logs
+    experts: ExpertStore | None = None  # the routed experts when they are not the model's own (host / disk)
 
     def memory(self, placement: str = "device", **kwargs: Any) -> EngramMemory:
         """The model's Engram memory in `placement` (EngramMemory.attach's keyword arguments)."""
@@ -166,30 +169,43 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
-               verify: bool = False, weights: str = "auto") -> LoadedModel:
+               verify: bool = False, weights: str = "auto", expert_placement: str = "device",
+               expert_cache_bytes: int = 0) -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
+    if expert_placement not in EXPERT_PLACEMENTS:
+        raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
     if spec in PRESETS:
+        if expert_placement != "device":
+            raise CheckpointError(f"--expert-placement {expert_placement} reads experts from a checkpoint's shards; "
+                                  f"preset {spec!r} has none (write one with `openflash checkpoint synth {spec} DIR`)")
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
         return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
                            f"preset '{spec}' with random weights (outputs are noise)")
+    offload = expert_placement != "device"
     model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify,
-                                    weights=weights)
-    return LoadedModel(model, report.tokenizer, report.engram_frontend, report.summary())
+                                    weights=weights, skip_experts=offload)
+    store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
+                        device) if offload else None
+    note = report.summary() + (f"; routed experts on {expert_placement}" +
+                               (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
+    return LoadedModel(model, report.tokenizer, report.engram_frontend, note, store)
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
                     tokenizer_path: str | Path | None = None,
                     skip_engram_tables: bool = False, verify: bool = False,
-                    weights: str = "dequantized") -> tuple[Transformer, LoadReport]:
+                    weights: str = "dequantized", skip_experts: bool = False) -> tuple[Transformer, LoadReport]:
     """Build the model of a checkpoint folder (or of a training run folder's latest checkpoint) and load its
     weights; returns (model in eval mode, report with the tokenizer).
 
     skip_engram_tables: leave the Engram tables (`layers.N.engram.embed.*`, 189 GiB released) unread, on the meta
     device, for a host / disk / sharded tier to serve (memory/placement.py); their names and shapes are still checked.
     verify: first check every file against the folder's checksums.sha256 (manifest.py); off by default.
+    skip_experts: leave the backbone's routed experts (`layers.N.ffn.experts.*`) unread, on the meta device, for an
+    ExpertSource (memory/experts.py) to serve; their names, shapes and dtypes are still checked.
     weights: "dequantized" (bf16 tensors promoted to fp32, FP8/FP4 linears cached in fp32 at first use) or
     "stored" (only the stored bytes resident: bf16 matrices stay bf16, linears dequantize tile by tile); "auto"
     picks "stored" when the dequantized copies would not fit comfortably in memory (`choose_residency`).
@@ -255,6 +271,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
             report.skipped["engram tables (left for an external tier)"] = \
                 report.skipped.get("engram tables (left for an external tier)", 0) + 1
             continue
+        if skip_experts and _ROUTED_EXPERT.match(name):
+            report.skipped["routed expert tensors (left for an expert store)"] = \
+                report.skipped.get("routed expert tensors (left for an expert store)", 0) + 1
+            continue
         tensor = files.get(name)
         if wo_a_fp8:
             scale_name = name[:-len("weight")] + "scale"
@@ -278,7 +298,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     if zero_filled:
         why = "; ".join(reason for pattern, reason in _ZERO_IF_ABSENT if any(pattern.search(n) for n in zero_filled))
         log.info("%s: %d tensors absent, set to zeros (%s), e.g. %s", folder, len(zero_filled), why, zero_filled[0])
-    model.load_state_dict(state, assign=True, strict=not skip_engram_tables)
+    model.load_state_dict(state, assign=True, strict=not (skip_engram_tables or skip_experts))
     _materialize_runtime_buffers(model, device)
     model.set_weight_residency(weights)
     report.tensors = len(state)
@@ -353,7 +373,7 @@ def _materialize_runtime_buffers(model: Transformer, device: str | torch.device)
     """Non-persistent buffers (statistics) are not in the checkpoint: create them on the target device."""
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is not None and buf.is_meta:
+            if buf is not None and buf.is_meta and name in module._non_persistent_buffers_set:
                 module.register_buffer(name, torch.zeros(buf.shape, dtype=buf.dtype, device=device),
                                        persistent=False)
 

@@ -33,6 +33,14 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _expert_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--expert-placement", default="device", choices=["device", "host", "disk"],
+                        help="where the routed experts live: device (the model's memory, default), host (read once "
+                             "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
+    parser.add_argument("--expert-cache-bytes", type=int, default=0,
+                        help="with host / disk: bytes of recently used experts kept ready (LRU; 0 = no limit)")
+
+
 def _add(sub: argparse._SubParsersAction, name: str, target: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(func=_handler(target))
@@ -183,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    _expert_flags(gen)
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -196,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     serve.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    _expert_flags(serve)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
     serve.add_argument("--engram-placement", default="device", choices=["device", "host", "disk", "sharded"],

@@ -21,17 +21,22 @@ log = logging.getLogger("openflash.serve")
 
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
-    loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights)
+    loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
+                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params)
     result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory(),
-                           images=args.image)
+                           images=args.image, experts=loaded.experts)
     print(f"# {loaded.note}")
     print(args.prompt + result.text)
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
           f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
+    if loaded.experts is not None:
+        s = loaded.experts.summary()
+        print(f"# experts ({s['placement']}): {s['hits']} cache hits, {s['misses']} misses, {s['bytes_read']:,} bytes "
+              f"read in {s['read_seconds']:.2f}s")
     return 0
 
 
@@ -43,7 +48,7 @@ def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams
     ids, images = text_prompt(loaded.tokenizer, args.prompt, args.image, loaded.model.cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens), loaded.memory())
+        num_speculative_tokens=args.num_speculative_tokens), loaded.memory(), loaded.experts)
     seq = engine.generate([ids], params, images=[images])[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
@@ -116,7 +121,8 @@ def serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights)
+    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
+                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
@@ -131,7 +137,7 @@ def serve(args: Any) -> int:
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         max_waiting=args.max_waiting, engram_speculate=speculate, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens), memory)
+        num_speculative_tokens=args.num_speculative_tokens), memory, loaded.experts)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
     if args.thinking and fmt.name != "deepseek-v4.1":

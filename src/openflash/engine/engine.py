@@ -38,6 +38,7 @@ from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError, RequestError
 from openflash.memory.placement import EngramMemory
+from openflash.model.moe import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.prompt import PromptImage, check_spans
 
@@ -101,7 +102,7 @@ def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
 
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 memory: EngramTier | None = None) -> None:
+                 memory: EngramTier | None = None, experts: ExpertSource | None = None) -> None:
         self.config = config.validate()
         if config.kv_storage == "packed" and not model.numerics.cache_qdq:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
@@ -114,7 +115,10 @@ class LLMEngine:
         drafts = self._drafts(model, config)
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
-        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts)
+        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts,
+                                  experts)
+        self.experts = experts
+        self._expert_stats: dict | None = experts.summary() if experts is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
@@ -257,6 +261,8 @@ class LLMEngine:
         self._flush_removals()
         if self._engram_stats is not None:  # snapshot for other threads (the memory tier is single-threaded)
             self._engram_stats = self.memory.stats()
+        if self.experts is not None:  # likewise the expert store's counters
+            self._expert_stats = self.experts.summary()
         self.metrics.steps += 1
         self.metrics.step_time.observe(time.perf_counter() - start)
         for seq, out in outputs:
@@ -419,6 +425,7 @@ class LLMEngine:
             "kv_bytes_in_use": pool.blocks_in_use * pool.block_bytes,
             "kv_pool_bytes": pool.nbytes(),
             "engram": self._engram_stats,
+            "experts": self._expert_stats,
             "regroups": self.runner.regroups,
             "config": asdict(self.config),
         }

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
+from openflash.model.moe import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import EncodedImages, PromptImage, check_spans, text_prompt
@@ -39,12 +40,14 @@ class GenerationResult:
 @torch.no_grad()
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], params: SamplingParams, *,
              mode: str = "bounded", prefill_chunk: int = 512, memory: EngramMemory | None = None,
-             images: Sequence[ImageSource] | Sequence[PromptImage] = ()) -> GenerationResult:
+             images: Sequence[ImageSource] | Sequence[PromptImage] = (),
+             experts: ExpertSource | None = None) -> GenerationResult:
     """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string.
 
     memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map).
     images: with a text prompt, PIL images, paths or encoded bytes, placed at each `<image>` of the text (or before
-    it); with a token-id prompt, its PromptImage spans (vision/prompt.py)."""
+    it); with a token-id prompt, its PromptImage spans (vision/prompt.py). experts: the routed experts' store for a
+    model loaded without them (memory/experts.py)."""
     params.validate()
     if memory is None:
         memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
@@ -77,7 +80,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
         spans = encoded.window(i, i + chunk.shape[1], device)
         logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids),
                             engram=memory.prepare(chunk, cache, None if spans is None else spans.mask),
-                            images=spans)
+                            images=spans, experts=experts)
     prefill_s = time.perf_counter() - start
     out: list[int] = []
     finish, text = "length", ""
@@ -96,6 +99,6 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
         if len(out) >= params.max_tokens:
             break
         step = torch.tensor([[token]], device=device)
-        logits = model.decode(step, cache, engram=memory.prepare(step, cache))
+        logits = model.decode(step, cache, engram=memory.prepare(step, cache), experts=experts)
     decode_s = time.perf_counter() - start
     return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)

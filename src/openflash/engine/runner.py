@@ -25,6 +25,7 @@ from openflash.engine.request import Sequence
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
 from openflash.model.engram import EngramRows
+from openflash.model.moe import ExpertSource
 from openflash.model.transformer import TargetHidden, Transformer
 from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask
@@ -54,11 +55,12 @@ class EngramTier(Protocol):
 
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
-                 speculate_k: int = 0, drafts: int = 0) -> None:
+                 speculate_k: int = 0, drafts: int = 0, experts: ExpertSource | None = None) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
         self.memory, self.speculate_k = memory, speculate_k
+        self.experts = experts  # routed experts outside the model (memory/experts.py), or None: its own
         self.drafts = drafts  # DSpark drafts verified per round (0: no speculative decoding)
         self.device = model.device
         self.batch: ModelCache | None = None
@@ -73,8 +75,10 @@ class ModelRunner:
         input (Transformer.step_hidden)."""
         rows = self.memory.prepare(ids, cache, None if images is None else images.mask)
         if hidden:
-            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images)
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images), None
+            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
+                                          experts=self.experts)
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
+                               experts=self.experts), None
 
     def _encoded(self, seq: Sequence) -> EncodedImages | None:
         """The sequence's image spans, encoded on first use (kept until its prefill ends)."""
@@ -113,7 +117,7 @@ class ModelRunner:
         ordered = self._regroup(seqs)
         tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
         rows = self.memory.prepare(tokens.unsqueeze(1), self.batch)
-        logits = self.model.decode(tokens, self.batch, engram=rows)
+        logits = self.model.decode(tokens, self.batch, engram=rows, experts=self.experts)
         if self.speculate_k > 0:
             self.memory.speculate(logits, self.batch, self.speculate_k)
         return ordered, logits
@@ -135,7 +139,8 @@ class ModelRunner:
         else:  # no room for drafts: a plain step (the rings still take the last position)
             model.draft_seed(hidden, batch)
             ids = anchor.unsqueeze(1)
-        logits, verified = model.step_hidden(ids, batch, engram=self.memory.prepare(ids, batch), all_logits=True)
+        logits, verified = model.step_hidden(ids, batch, engram=self.memory.prepare(ids, batch), all_logits=True,
+                                             experts=self.experts)
         results = []
         for b, seq in enumerate(ordered):
             drafts = ids[b, 1:].tolist()
@@ -209,4 +214,5 @@ class ModelRunner:
         rows = self.memory.prepare_replay(prompt_ids, start, num_tokens, cache, mask)
         encoded = self._encoded(seq)
         images = None if encoded is None else encoded.window(start, num_tokens, self.device)
-        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows, images=images)
+        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows, images=images,
+                     experts=self.experts)

@@ -9,12 +9,15 @@ that exists for one call only, and carried state lives in the `ModelCache`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import Numerics
+
+if TYPE_CHECKING:
+    from openflash.model.moe import ExpertSource
 
 
 class Probe(Protocol):
@@ -50,6 +53,7 @@ class StepContext:
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
     probe: Probe | None = None  # parity checks: observes intermediates, keyed like the goldens
     taps: dict[int, torch.Tensor | None] = field(default_factory=dict)  # DSpark target layers -> mean input stream
+    experts: "ExpertSource | None" = None  # routed experts kept outside the model (memory/experts.py)
 
     def put(self, name: str, value: torch.Tensor) -> None:
         if self.probe is not None:

@@ -9,6 +9,7 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,14 @@ from openflash.config import FlashConfig
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
+
+
+class ExpertSource(Protocol):
+    """Routed experts that live outside the model (memory/experts.py: host RAM or the checkpoint's shards on disk,
+    behind a cache); a model loaded without its routed experts reads them from here, through `StepContext`."""
+
+    def experts(self, layer: int, ids: list[int]) -> Mapping[int, "Expert"]:
+        """The experts `ids` of backbone layer `layer`, ready to run on the model's device."""
 
 
 class Gate(nn.Module):
@@ -122,21 +131,36 @@ class MoE(nn.Module, NumericsMixin):
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
-        return moe_kernels(self.numerics).experts(self, x, weights, ids, counts).view(shape)
+        experts = self._selected(counts, ctx)
+        return moe_kernels(self.numerics).experts(self, x, weights, ids, counts, experts).view(shape)
+
+    @property
+    def offloaded(self) -> bool:
+        """Loaded without its routed experts (they come from an ExpertSource)."""
+        return self.experts[0].w1.weight.is_meta
+
+    def _selected(self, counts: torch.Tensor, ctx: StepContext) -> Mapping[int, "Expert"]:
+        active = counts.nonzero().flatten().tolist()
+        if not self.offloaded:
+            return {e: self.experts[e] for e in active}
+        if ctx.experts is None:
+            raise ValueError(f"layer {self.layer}: this model was loaded without its routed experts; pass "
+                             f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
+        return ctx.experts.experts(self.layer, active)
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor) -> torch.Tensor:
+                        counts: torch.Tensor, experts: Mapping[int, "Expert"]) -> torch.Tensor:
         """Grouped by expert: one call per expert that received tokens, no per-token loop; plus the shared one."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in counts.nonzero().flatten().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
-            y[token] += self.experts[e](x[token], weights[token, slot]).float()
+            y[token] += experts[e](x[token], weights[token, slot]).float()
         y = y + self.shared_experts(x).float()
         return self.numerics.round(y)
 
     def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor) -> torch.Tensor:
+                        counts: torch.Tensor, experts: Mapping[int, "Expert"]) -> torch.Tensor:
         """Inference, same math as `_routed_grouped`: the (token, slot) pairs padded per selected expert into
         [U, C, dim] and run through the U experts' stacked weights in three batched matmuls, with the quantization
         and rounding points of `Expert.swiglu`; no Python call per expert beyond stacking its cached weights."""
@@ -155,10 +179,10 @@ class MoE(nn.Module, NumericsMixin):
         pad_x[row, rank] = x[torch.div(order, k, rounding_mode="floor")].to(pad_x.dtype)
         pad_w = x.new_zeros(pad_x.shape[:2], dtype=torch.float32)
         pad_w[row, rank] = weights.flatten()[order]
-        experts = [self.experts[e] for e in active.tolist()]
-        w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in experts])
+        chosen = [experts[e] for e in active.tolist()]
+        w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in chosen])
                       for name in ("w1", "w3", "w2"))
-        first = experts[0]
+        first = chosen[0]
         quantized = first.w1.quantized and n.act_quant
         xin = formats.act_quant_qdq(pad_x) if quantized else pad_x
         gate = n.round(torch.bmm(xin.to(w1.dtype), w1.transpose(1, 2))).float().clamp(max=first.limit)
@@ -196,8 +220,8 @@ class MoeKernels:
         return expert.swiglu(v, weight)
 
     def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
-        return moe._routed_grouped(x, weights, ids, counts)
+                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
+        return moe._routed_grouped(x, weights, ids, counts, experts)
 
 
 class BatchedMoeKernels(MoeKernels):
@@ -207,10 +231,10 @@ class BatchedMoeKernels(MoeKernels):
     BATCHED_PAIRS = 256
 
     def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
+                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
         if ids.numel() <= self.BATCHED_PAIRS:
-            return moe._routed_batched(x, weights, ids, counts)
-        return moe._routed_grouped(x, weights, ids, counts)
+            return moe._routed_batched(x, weights, ids, counts, experts)
+        return moe._routed_grouped(x, weights, ids, counts, experts)
 
 
 class TrainMoeKernels(MoeKernels):
@@ -224,8 +248,8 @@ class TrainMoeKernels(MoeKernels):
         return expert.w2(_SwiGLU.apply(gate, up, weight, expert.limit))
 
     def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
-        return moe._routed_sorted(x, weights, ids, counts)
+                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
+        return moe._routed_sorted(x, weights, ids, counts)  # training: every expert is the model's own
 
 
 @lru_cache(maxsize=None)

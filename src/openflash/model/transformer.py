@@ -39,6 +39,7 @@ from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import collapse
+from openflash.model.moe import ExpertSource
 from openflash.model.numerics import FP32, Numerics
 from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
@@ -210,28 +211,30 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
              engram: EngramRows | None = None, images: ImageRows | None = None,
-             probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor | None:
+             probe: Probe | None = None, all_logits: bool = False,
+             experts: ExpertSource | None = None) -> torch.Tensor | None:
         """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
         each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
 
         mode "exact": every layer on every token. mode "bounded": the decoder half waits for the last chunk and
         then runs only on the last `sliding_window` prompt positions (its KV owner's compressor still sees every
-        token). Decode steps (S = 1) are the same in both modes.
+        token). Decode steps (S = 1) are the same in both modes. experts: where the routed experts come from when
+        the model was loaded without them (memory/experts.py).
         """
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False)[0]
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts)[0]
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
                     last_chunk: bool = True, engram: EngramRows | None = None, images: ImageRows | None = None,
-                    probe: Probe | None = None,
-                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+                    probe: Probe | None = None, all_logits: bool = False,
+                    experts: ExpertSource | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
         non-final bounded prefill chunk, whose decoder half has not run yet)."""
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True)
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts)
 
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
-              hidden: bool) -> tuple[torch.Tensor | None, TargetHidden | None]:
+              hidden: bool, experts: ExpertSource | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
         if mode == "bounded" and not self.cfg.topology.bounded_replay_ok:
@@ -244,7 +247,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
-        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps)
+        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps, experts=experts)
         residual, pre = self.streams(input_ids, images)
         if images is not None:
             ctx.put("embed_merged", residual[:, :, 0])
@@ -276,7 +279,7 @@ class Transformer(nn.Module):
         replay, cache.replay = cache.replay, None
         tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
                                compressed={split: ctx.compressed[split]}, probe=probe,
-                               taps=self._taps() if hidden else {})
+                               taps=self._taps() if hidden else {}, experts=experts)
         tail_mask = replay.image_mask if bool(replay.image_mask.any()) else None  # decoder-half routing (bias_vl)
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      tail_mask)
@@ -319,7 +322,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
-               engram: EngramRows | None = None, images: ImageRows | None = None) -> None:
+               engram: EngramRows | None = None, images: ImageRows | None = None,
+               experts: ExpertSource | None = None) -> None:
         """Rebuild a cache's bounded state from the last tokens [1, S] (positions start..start+S-1) of a prefix
         whose global state (compressed KV and index keys) the cache already holds, as prefix caching restores one.
 
@@ -331,7 +335,7 @@ class Transformer(nn.Module):
         S = input_ids.shape[1]
         positions = torch.arange(start, start + S, device=input_ids.device).unsqueeze(0)
         views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
-        ctx = StepContext(positions, self.numerics, cache=cache, compressed=views)
+        ctx = StepContext(positions, self.numerics, cache=cache, compressed=views, experts=experts)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok
         residual, pre = self.streams(input_ids, images)

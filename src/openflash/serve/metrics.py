@@ -3,7 +3,7 @@
 Latencies are histograms (seconds): time to first token, inter-token latency, end-to-end request latency, queue
 time, engine step time. Gauges: waiting / prefilling / running sequences, KV blocks in use and allocated, global
 cache bytes per token, prefix-cache and Engram row-cache hit rates (the Engram one only with a tier that has a row
-cache, e.g. disk), generated tokens per second over the last 10 s. Counters: prompt tokens computed and served from
+cache, e.g. disk), expert-cache hits, misses and bytes read per layer (with --expert-placement host or disk), generated tokens per second over the last 10 s. Counters: prompt tokens computed and served from
 the prefix cache, generated tokens, finished requests by reason, engine steps.
 """
 
@@ -77,6 +77,19 @@ def render(engine: LLMEngine) -> str:
     engram = stats["engram"]
     if engram is not None and engram.get("hit_rate") is not None:
         w.metric("engram_cache_hit_rate", "gauge", "Engram row-cache hit rate.", engram["hit_rate"])
+    experts = stats["experts"]
+    if experts is not None:
+        layers = experts["layers"]
+        w.labelled("expert_cache_hits_total", "counter", "Routed experts found in the expert cache, by layer.",
+                   {str(i): c["hits"] for i, c in layers.items()}, "layer")
+        w.labelled("expert_cache_misses_total", "counter", "Routed experts fetched from host or disk, by layer.",
+                   {str(i): c["misses"] for i, c in layers.items()}, "layer")
+        w.labelled("expert_bytes_read_total", "counter", "Bytes of routed experts read (disk, or host to device).",
+                   {str(i): c["bytes_read"] for i, c in layers.items()}, "layer")
+        w.metric("expert_cache_bytes", "gauge", "Bytes of routed experts held by the expert cache.",
+                 experts["cached_bytes"])
+        if experts["hit_rate"] is not None:
+            w.metric("expert_cache_hit_rate", "gauge", "Expert-cache hit rate.", experts["hit_rate"])
     w.metric("generation_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
              m.tokens_per_second())
     w.metric("prompt_tokens_total", "counter", "Prompt tokens computed (prefix-cache hits excluded).",

@@ -1,0 +1,210 @@
+"""Routed experts outside the model: read from the checkpoint's own shards, kept in a byte-budgeted cache.
+
+The routed experts are over 95% of the released backbone (384 per layer, 17.7 MiB each as stored). A model loaded
+with `load_checkpoint(..., skip_experts=True)` holds none of them; its MoE layers ask an `ExpertSource` (declared in
+model/moe.py) for the experts their router picked, and this module is one:
+
+- `host`: every routed expert read once into host RAM at start, in its stored format (FP4 codes + UE8M0 scales;
+  pinned when the model runs on CUDA, and copied to the device per use through the cache);
+- `disk`: nothing resident at start; a miss reads the expert's six tensors straight from the official safetensors
+  shards with positioned reads (os.pread, several experts of a layer in parallel), no conversion step.
+
+In front of either sits an LRU of ready-to-run experts under `cache_bytes` (0 = no limit), on the model's device.
+Counters per layer (hits, misses, bytes read) feed `/metrics` and the benchmarks. Outputs are bit-identical to the
+model's own experts: the same Expert module runs on the same stored bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from openflash.config import FlashConfig
+from openflash.errors import CheckpointError, OpenflashError
+from openflash.model.moe import Expert
+from openflash.model.numerics import Numerics
+from openflash.shards import TensorLocation, tensor_locations
+
+EXPERT_PLACEMENTS = ("device", "host", "disk")
+ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+_STORAGE = {"I8": "fp4", "U8": "fp4", "F8_E4M3": "fp8", "BF16": "float", "F16": "float", "F32": "float"}
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+
+@dataclass
+class ExpertStats:
+    layers: dict[int, LayerCounters] = field(default_factory=dict)
+    read_seconds: float = 0.0
+
+    def layer(self, index: int) -> LayerCounters:
+        return self.layers.setdefault(index, LayerCounters())
+
+    def totals(self) -> dict[str, Any]:
+        hits = sum(c.hits for c in self.layers.values())
+        misses = sum(c.misses for c in self.layers.values())
+        return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "bytes_read": sum(c.bytes_read for c in self.layers.values()), "read_seconds": self.read_seconds}
+
+
+class ExpertStore:
+    """An ExpertSource over a checkpoint folder (module doc)."""
+
+    def __init__(self, folder: str | Path, cfg: FlashConfig, numerics: Numerics, placement: str = "disk",
+                 cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4) -> None:
+        if placement not in ("host", "disk"):
+            raise OpenflashError(f"expert placement {placement!r}: the store serves host or disk (device experts "
+                                 f"are the model's own)")
+        if cache_bytes < 0:
+            raise OpenflashError(f"--expert-cache-bytes must be >= 0, got {cache_bytes}")
+        self.folder, self.cfg, self.numerics = Path(folder), cfg, numerics
+        self.placement, self.cache_bytes, self.device = placement, cache_bytes, torch.device(device)
+        self.stats = ExpertStats()
+        self._locations = self._index(tensor_locations(self.folder))
+        self._fds: dict[Path, int] = {}
+        self._fd_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="openflash-experts")
+        self._cache: OrderedDict[tuple[int, int], tuple[Expert, int]] = OrderedDict()  # -> (expert, bytes)
+        self._cached_bytes = 0
+        self._host: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        if placement == "host":
+            pin = self.device.type == "cuda"
+            keys = list(self._locations)
+            for key, tensors in zip(keys, self._pool.map(self._read, keys)):
+                self._host[key] = {k: t.pin_memory() if pin else t for k, t in tensors.items()}
+
+    # ---- layout ---------------------------------------------------------------------------------------------
+    def _index(self, locations: dict[str, TensorLocation]) -> dict[tuple[int, int], dict[str, TensorLocation]]:
+        cfg = self.cfg
+        experts: dict[tuple[int, int], dict[str, TensorLocation]] = {}
+        for name, loc in locations.items():
+            m = ROUTED.match(name)
+            if m:
+                layer, e, w, kind = int(m[1]), int(m[2]), m[3], m[4]
+                experts.setdefault((layer, e), {})[f"{w}.{kind}"] = loc
+        want = {(layer, e) for layer in range(cfg.num_hidden_layers) for e in range(cfg.n_routed_experts)}
+        missing = sorted(want - set(experts))
+        if missing:
+            layer, e = missing[0]
+            raise CheckpointError(f"{self.folder}: {len(missing)} routed experts missing from the shards, e.g. "
+                                  f"layers.{layer}.ffn.experts.{e}.*")
+        for key, parts in experts.items():
+            storage = _STORAGE.get(parts.get("w1.weight", next(iter(parts.values()))).dtype)
+            need = {"w1.weight", "w2.weight", "w3.weight"} | ({"w1.scale", "w2.scale", "w3.scale"}
+                                                             if storage in ("fp4", "fp8") else set())
+            if storage is None or not need <= set(parts):
+                raise CheckpointError(f"{self.folder}: layers.{key[0]}.ffn.experts.{key[1]} needs {sorted(need)}, "
+                                      f"has {sorted(parts)}")
+        return experts
+
+    def expert_bytes(self, layer: int, e: int) -> int:
+        return sum(loc.nbytes for loc in self._locations[(layer, e)].values())
+
+    # ---- reading --------------------------------------------------------------------------------------------
+    def _fd(self, path: Path) -> int:
+        with self._fd_lock:
+            if path not in self._fds:
+                try:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot open: {exc.strerror}") from None
+            return self._fds[path]
+
+    def _read(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return {part: loc.read(self._fd(loc.path)) for part, loc in self._locations[key].items()}
+
+    def _module(self, tensors: dict[str, torch.Tensor]) -> Expert:
+        storage = _STORAGE[self._locations_dtype(tensors)]
+        cfg = self.cfg
+        with torch.device("meta"):
+            expert = Expert(cfg.hidden_size, cfg.moe_intermediate_size, storage, cfg.swiglu_limit)
+        state = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        if storage == "float":
+            state = {k: v for k, v in state.items() if k.endswith("weight")}
+        expert.load_state_dict(state, assign=True)
+        for module in expert.modules():
+            if hasattr(module, "numerics"):
+                module.numerics = self.numerics
+            if hasattr(module, "keep_dequantized"):
+                module.keep_dequantized = False  # the cache holds stored bytes, never fp32 copies
+        return expert
+
+    @staticmethod
+    def _locations_dtype(tensors: dict[str, torch.Tensor]) -> str:
+        t = tensors["w1.weight"]
+        return {torch.int8: "I8", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16",
+                torch.float16: "F16", torch.float32: "F32"}[t.dtype]
+
+    # ---- the ExpertSource protocol ---------------------------------------------------------------------------
+    def experts(self, layer: int, ids: list[int]) -> Mapping[int, Expert]:
+        counters = self.stats.layer(layer)
+        out: dict[int, Expert] = {}
+        misses = []
+        for e in ids:
+            cached = self._cache.get((layer, e))
+            if cached is not None:
+                self._cache.move_to_end((layer, e))
+                out[e] = cached[0]
+                counters.hits += 1
+            else:
+                misses.append(e)
+        if misses:
+            counters.misses += len(misses)
+            start = time.perf_counter()
+            if self.placement == "host":
+                fetched = [self._host[(layer, e)] for e in misses]
+            else:
+                fetched = list(self._pool.map(self._read, [(layer, e) for e in misses]))
+            self.stats.read_seconds += time.perf_counter() - start
+            for e, tensors in zip(misses, fetched):
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                if self.placement == "disk" or self.device.type != "cpu":
+                    counters.bytes_read += nbytes
+                out[e] = self._module(tensors)
+                self._insert((layer, e), out[e], nbytes)
+        return out
+
+    def _insert(self, key: tuple[int, int], expert: Expert, nbytes: int) -> None:
+        if self.cache_bytes and nbytes > self.cache_bytes:
+            return  # larger than the whole cache: used once, not kept
+        self._cache[key] = (expert, nbytes)
+        self._cached_bytes += nbytes
+        while self.cache_bytes and self._cached_bytes > self.cache_bytes:
+            _, (_, old_bytes) = self._cache.popitem(last=False)
+            self._cached_bytes -= old_bytes
+
+    # ---- reporting and shutdown ------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        return {"placement": self.placement, "cache_bytes": self.cache_bytes, "cached_bytes": self._cached_bytes,
+                "cached_experts": len(self._cache), **self.stats.totals(),
+                "layers": {i: vars(c) for i, c in sorted(self.stats.layers.items())}}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:  # descriptors are the only OS resource held
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["ExpertStore", "ExpertStats", "EXPERT_PLACEMENTS"]

@@ -1,0 +1,96 @@
+"""Routed experts off the model: host RAM or the checkpoint's own shards on disk, behind a byte-budgeted cache
+(memory/experts.py). Outputs are bit-identical to the model's own experts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from openflash.checkpoint import load_checkpoint, open_model
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.sampling import SamplingParams
+from openflash.errors import CheckpointError
+from openflash.memory.experts import ExpertStore
+from openflash.memory.placement import EngramMemory
+from openflash.serve.metrics import render
+from openflash.synth import synthesize
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("experts") / "ckpt"
+    synthesize("tiny", folder, shard_bytes=1 << 20)  # several shards: experts are read from whichever holds them
+    return folder
+
+
+def _run(model, report, store=None) -> list[torch.Tensor]:
+    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 1000, (2, 40))
+    cache = model.new_cache(2)
+    out = [model.step(ids, cache, engram=memory.prepare(ids, cache), experts=store)]
+    for _ in range(4):
+        token = out[-1].argmax(-1, keepdim=True)
+        out.append(model.step(token, cache, engram=memory.prepare(token, cache), experts=store))
+    return out
+
+
+@pytest.mark.parametrize("placement,cache_bytes", [("host", 0), ("disk", 0), ("disk", 1), ("disk", 600_000)])
+def test_experts_from_host_or_disk_give_bit_identical_logits(ckpt, placement, cache_bytes):
+    want = _run(*load_checkpoint(ckpt, weights="stored"))
+    model, report = load_checkpoint(ckpt, weights="stored", skip_experts=True)
+    assert model.layers[0].ffn.experts[0].w1.weight.is_meta  # none of them resident
+    store = ExpertStore(ckpt, model.cfg, model.numerics, placement, cache_bytes=cache_bytes)
+    got = _run(model, report, store)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    s = store.summary()
+    assert s["misses"] > 0 and s["cached_bytes"] <= (cache_bytes or float("inf"))
+    if cache_bytes == 1:  # nothing fits: every lookup reads from the shards
+        assert s["hits"] == 0 and s["bytes_read"] == sum(
+            store.expert_bytes(0, 0) * c["misses"] for c in s["layers"].values())
+    if placement == "disk" and cache_bytes != 1:
+        assert s["hits"] > 0 and s["bytes_read"] > 0
+    store.close()
+
+
+def test_engine_serves_with_disk_experts_and_reports_them(ckpt):
+    loaded = open_model(str(ckpt), weights="stored", expert_placement="disk", expert_cache_bytes=400_000)
+    own = open_model(str(ckpt), weights="stored")
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
+    want = [s.output_ids for s in LLMEngine(own.model, own.tokenizer, EngineConfig(max_batch=2), own.memory())
+            .generate(prompts, params)]
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=2), loaded.memory(), loaded.experts)
+    assert [s.output_ids for s in engine.generate(prompts, params)] == want
+    text = render(engine)
+    assert 'openflash_expert_cache_misses_total{layer="0"}' in text and "openflash_expert_bytes_read_total" in text
+    assert "routed experts on disk" in loaded.note
+
+
+def test_a_model_without_its_experts_says_what_it_needs(ckpt):
+    model, report = load_checkpoint(ckpt, skip_experts=True)
+    with pytest.raises(ValueError, match="loaded without its routed experts; pass experts="):
+        _run(model, report)
+
+
+def test_missing_or_truncated_expert_tensors_are_named(ckpt, tmp_path):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / index["weight_map"]["layers.3.ffn.experts.5.w2.weight"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in ckpt.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    model, _ = load_checkpoint(ckpt, skip_experts=True)
+    store = ExpertStore(broken, model.cfg, model.numerics, "disk")
+    with pytest.raises(CheckpointError, match="truncated"):
+        for layer in range(model.cfg.num_hidden_layers):
+            store.experts(layer, list(range(model.cfg.n_routed_experts)))
+    cut = model.cfg.replace(n_routed_experts=model.cfg.n_routed_experts + 1,
+                            num_experts_per_tok=model.cfg.num_experts_per_tok)
+    with pytest.raises(CheckpointError, match="routed experts missing from the shards"):
+        ExpertStore(ckpt, cut, model.numerics, "disk")
+    with pytest.raises(CheckpointError, match="preset 'tiny' has none"):
+        open_model("tiny", expert_placement="disk")
