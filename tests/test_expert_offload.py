@@ -82,12 +82,14 @@ def test_missing_or_truncated_expert_tensors_are_named(ckpt, tmp_path):
     broken.mkdir()
     for f in ckpt.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
-    (broken / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     model, _ = load_checkpoint(ckpt, skip_experts=True)
     store = ExpertStore(broken, model.cfg, model.numerics, "disk")
+    (broken / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated while in use
     with pytest.raises(CheckpointError, match="truncated"):
         for layer in range(model.cfg.num_hidden_layers):
             store.experts(layer, list(range(model.cfg.n_routed_experts)))
+    with pytest.raises(CheckpointError, match="cannot read safetensors header: tensor .* do not hold"):
+        ExpertStore(broken, model.cfg, model.numerics, "disk")  # a new store sees the damage at once
     cut = model.cfg.replace(n_routed_experts=model.cfg.n_routed_experts + 1,
                             num_experts_per_tok=model.cfg.num_experts_per_tok)
     with pytest.raises(CheckpointError, match="routed experts missing from the shards"):

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
@@ -42,7 +41,7 @@ from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
 from openflash.run_dir import latest_checkpoint
-from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
+from openflash.shards import INDEX_FILE, SINGLE_FILE, tensor_locations
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
@@ -87,43 +86,28 @@ class _TensorFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        index, single = folder / INDEX_FILE, folder / SINGLE_FILE
-        if index.exists():
-            weight_map = read_weight_map(folder)
-            files = sorted(set(weight_map.values()))
-        elif single.exists():
-            files = [single]
-            weight_map = None
-        else:
-            raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
-        self.handles: dict[Path, Any] = {}
-        self.where: dict[str, Path] = {}
-        for path in files:
-            if not path.exists():
-                raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing")
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from None
-            self.handles[path] = handle
-            for key in handle.keys():
-                self.where[key] = path
-        if weight_map is not None:
-            listed, found = set(weight_map), set(self.where)
-            if listed != found:
-                missing = sorted(listed - found)[:5]
-                raise CheckpointError(f"{index}: weight_map and shard contents disagree (e.g. listed but absent: "
-                                      f"{missing}; present but unlisted: {sorted(found - listed)[:5]})")
+        self.where = tensor_locations(folder)
+        self._fds: dict[Path, int] = {}
 
     def names(self) -> list[str]:
         return list(self.where)
 
     def info(self, name: str) -> tuple[str, list[int]]:
-        s = self.handles[self.where[name]].get_slice(name)
-        return s.get_dtype(), list(s.get_shape())
+        loc = self.where[name]
+        return loc.dtype, list(loc.shape)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.handles[self.where[name]].get_tensor(name)
+        """The tensor, read with positioned reads (nothing is mapped: a file truncated later fails a read with
+        a CheckpointError instead of a SIGBUS)."""
+        loc = self.where[name]
+        if loc.path not in self._fds:
+            self._fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+        return loc.read(self._fds[loc.path])
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _expected_dtype(tensor: torch.Tensor) -> str:
@@ -170,7 +154,7 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
-               expert_cache_bytes: int = 0) -> LoadedModel:
+               expert_cache_bytes: int = 0, skip_engram_tables: bool = False) -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
     if expert_placement not in EXPERT_PLACEMENTS:
@@ -186,7 +170,7 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
                            f"preset '{spec}' with random weights (outputs are noise)")
     offload = expert_placement != "device"
     model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify,
-                                    weights=weights, skip_experts=offload)
+                                    weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
     store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
                         device) if offload else None
     note = report.summary() + (f"; routed experts on {expert_placement}" +
@@ -290,6 +274,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         elif want_dtype == "F8_E8M0" and tensor.dtype == torch.uint8:
             tensor = tensor.view(torch.float8_e8m0fnu)
         state[name] = tensor.to(device)
+    files.close()
     if problems:
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""

@@ -79,25 +79,58 @@ class TensorLocation:
         return flat.view(getattr(torch, _ST_DTYPES[self.dtype])).view(self.shape)
 
 
+_ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4,
+                "I64": 8}
+
+
 def tensor_locations(folder: Path) -> dict[str, TensorLocation]:
     """name -> location of every tensor of a checkpoint folder (single file or index), from the safetensors
-    headers alone."""
+    headers alone (no file is mapped: a sparse 94 GiB table costs nothing). CheckpointError names a missing shard,
+    a damaged header, or an index that disagrees with the shards."""
     index, single = folder / INDEX_FILE, folder / SINGLE_FILE
-    files = sorted(set(read_weight_map(folder).values())) if index.exists() else [single]
+    if index.exists():
+        weight_map = read_weight_map(folder)
+        files = sorted(set(weight_map.values()))
+    elif single.exists():
+        weight_map, files = None, [single]
+    else:
+        raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
     out: dict[str, TensorLocation] = {}
     for path in files:
-        try:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-        except (OSError, struct.error, ValueError) as exc:
-            raise CheckpointError(f"{path}: cannot read its safetensors header: {exc}") from None
-        base = 8 + length
+        if not path.exists():
+            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing")
+        out.update(_header(path))
+    if weight_map is not None and set(weight_map) != set(out):
+        listed, found = set(weight_map), set(out)
+        raise CheckpointError(f"{index}: weight_map and shard contents disagree (e.g. listed but absent: "
+                              f"{sorted(listed - found)[:5]}; present but unlisted: {sorted(found - listed)[:5]})")
+    return out
+
+
+def _header(path: Path) -> dict[str, TensorLocation]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= length <= min(size - 8, 100 << 20):
+                raise ValueError(f"header length {length} does not fit the {size}-byte file")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        out = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            start, stop = info["data_offsets"]
-            if info["dtype"] not in _ST_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which openflash does not read")
-            out[name] = TensorLocation(path, base + start, stop - start, info["dtype"], tuple(info["shape"]))
-    return out
+            dtype, shape, (start, stop) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            if dtype not in _ST_DTYPES:
+                raise ValueError(f"tensor {name} has dtype {dtype}, which openflash does not read")
+            count = 1
+            for d in shape:
+                count *= d
+            if not 0 <= start <= stop <= size - 8 - length or stop - start != count * _ST_ITEMSIZE[dtype]:
+                raise ValueError(f"tensor {name}: data offsets [{start}, {stop}) do not hold {dtype} {list(shape)} "
+                                 f"in the file")
+            out[name] = TensorLocation(path, 8 + length + start, stop - start, dtype, shape)
+        return out
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from None

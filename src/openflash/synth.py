@@ -10,7 +10,9 @@ Cuts for machines smaller than the release: `layers` keeps the widths and takes 
 a valid CSA2 topology: every owner precedes the layers that read it; sources, the candidate layer and Engram layers
 beyond N are dropped, and so is the DSpark head, whose target layers are the last ones); `experts` keeps N routed
 experts per layer (top-k capped at N). Engram tables larger than `dense_table_bytes` are written as sparse files of
-zero rows (a zero FP8 row adds nothing): they take no disk space and read back as zeros, at the released row counts.
+zero rows (a zero FP8 row adds nothing): they take no disk space and read back as zeros, at the released row counts;
+the same tables are also written as sparse disk-tier table files in `engram_tables/` (what `openflash engram
+export` would write), so `--engram-placement disk` serves them without an export of ~100 GiB of zeros.
 
 Weights: dense and Engram projections N(0, 1/fan_in) quantized to the stored format; routed experts as uniformly
 random E2M1 codes with a per-tensor scale exponent that gives the same standard deviation (drawing gaussians for
@@ -39,6 +41,8 @@ from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
+from openflash.memory.checkpoint_tables import read_engram_spec
+from openflash.memory.table_file import TableHeader, table_file_name
 from openflash.shards import INDEX_FILE
 from openflash.tokenizer import needs_cut, preset_tokenizer
 
@@ -210,6 +214,17 @@ def synthesize(config: str | FlashConfig, out: str | Path, *, layers: int | None
     write_text_atomic(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": int(logical)},
                                                        "weight_map": weight_map}, indent=1))
     write_text_atomic(folder / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    if tables:
+        spec = read_engram_spec(folder)
+        for name in tables:
+            layer = int(name.split(".")[1])
+            slot = cfg.engram_layer_ids.index(layer)
+            header = TableHeader(rows=spec.num_rows[slot], dim=spec.dim, layout_fingerprint=spec.layout_fingerprint())
+            path = folder / "engram_tables" / table_file_name(layer)
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(header.encode())
+                f.truncate(header.file_bytes)
     if needs_cut(cfg.vocab_size):  # a vocabulary smaller than DeepSeek's (presets): the matching cut
         preset_tokenizer(cfg).save(str(folder / "tokenizer.json"))
     if not tables:  # hashing sparse tables would read ~100 GiB of holes; `openflash verify --write` can

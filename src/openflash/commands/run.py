@@ -121,8 +121,12 @@ def serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
+    # The disk tier reading table files already there: the checkpoint's own tables need not be read at all.
+    tables_on_disk = args.engram_placement == "disk" and args.model not in PRESETS and (
+        args.engram_table_dir is not None or (Path(args.model) / "engram_tables").is_dir())
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
-                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes)
+                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
+                        skip_engram_tables=tables_on_disk)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
