@@ -64,7 +64,7 @@ def stored_layout(layers: int) -> dict[str, int]:
 
 def ram_bandwidth() -> float:
     """Bytes/s of a large fp32 copy (read + write counted once each)."""
-    a = torch.empty(GiB // 4, dtype=torch.float32).fill_(1.0)
+    a = torch.empty(GiB // 16, dtype=torch.float32).fill_(1.0)  # 256 MiB: small next to the budget (peak RSS)
     b = torch.empty_like(a)
     best = math.inf
     for _ in range(3):

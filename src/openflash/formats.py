@@ -56,6 +56,7 @@ def _e4m3_value(code: int) -> float:
 # Read-only lookup tables (built once from the format definitions; exact in fp32).
 _E4M3_TABLE = torch.tensor([_e4m3_value(c) for c in range(256)], dtype=torch.float32)
 _E2M1_TABLE = torch.tensor(list(_E2M1_MAGNITUDES) + [-v for v in _E2M1_MAGNITUDES], dtype=torch.float32)
+_E2M1_PAIRS = torch.stack((_E2M1_TABLE[torch.arange(256) & 0xF], _E2M1_TABLE[torch.arange(256) >> 4]), dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,9 +132,9 @@ def e4m3_encode(x: Tensor) -> Tensor:
 
 
 def e4m3_decode(codes: Tensor) -> Tensor:
-    """E4M3 codes (uint8 / int8 / float8_e4m3fn) -> fp32 values."""
-    c = as_uint8(codes)
-    return _E4M3_TABLE.to(c.device)[c.int()]
+    """E4M3 codes (uint8 / int8 / float8_e4m3fn) -> fp32 values (torch's conversion: the same values as the table
+    of _e4m3_value, NaN at 0x7F / 0xFF; tests check all 256 codes)."""
+    return as_uint8(codes).view(torch.float8_e4m3fn).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,10 +161,7 @@ def _ue8m0_from_pow2(s: Tensor) -> Tensor:
 
 def ue8m0_decode(scales: Tensor) -> Tensor:
     """UE8M0 bytes (uint8 / float8_e8m0fnu) -> fp32 2^(b-127); 255 -> NaN."""
-    b = as_uint8(scales).int()
-    out = (b << 23).view(torch.float32)
-    out = torch.where(b == 0, torch.full_like(out, 2.0**-127), out)
-    return torch.where(b == UE8M0_NAN_BYTE, torch.full_like(out, float("nan")), out)
+    return as_uint8(scales).view(torch.float8_e8m0fnu).float()  # torch's conversion (tests check all 256 bytes)
 
 
 def ue8m0_encode(scale: Tensor) -> Tensor:
@@ -394,6 +392,9 @@ def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: int = 32) -> Tensor:
             f"dequantize_fp8_blocks: weight of shape {tuple(q.shape)} needs a scale of shape {want} "
             f"(block {block}), got {tuple(scale.shape)}"
         )
+    if n % block == 0 and k % block == 0:  # one broadcast multiply, no expanded scale tensor
+        blocks = e4m3_decode(q).view(*q.shape[:-2], n // block, block, k // block, block)
+        return (blocks * ue8m0_decode(scale)[..., :, None, :, None]).view(q.shape)
     s = ue8m0_decode(scale).repeat_interleave(block, dim=-2)[..., :n, :]
     s = s.repeat_interleave(block, dim=-1)[..., :k]
     return e4m3_decode(q) * s
@@ -410,7 +411,9 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
     """W[n, k] = e2m1(code[n, k]) * 2^(scale[n, k//32] - 127) in fp32. packed [..., N, K/2] (uint8 / I8 /
     float4_e2m1fn_x2), scale [..., N, K/32]."""
     _check_pair(packed, scale, 2, block, "dequantize_mxfp4")
-    v = _blocks(e2m1_decode(unpack_fp4(packed)), block, "dequantize_mxfp4")
+    p = as_uint8(packed)
+    pairs = torch.nn.functional.embedding(p.int(), _E2M1_PAIRS.to(p.device))  # [..., K/2, 2]: low nibble first
+    v = _blocks(pairs.flatten(-2), block, "dequantize_mxfp4")
     return (v * ue8m0_decode(scale).unsqueeze(-1)).flatten(-2)
 
 

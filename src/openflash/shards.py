@@ -71,11 +71,14 @@ class TensorLocation:
         shorter than its header says)."""
         import torch
 
-        data = os.pread(fd, self.nbytes, self.offset)
-        if len(data) != self.nbytes:
-            raise CheckpointError(f"{self.path}: truncated: {self.nbytes} bytes at offset {self.offset} expected, "
-                                  f"{len(data)} read")
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        view, done = memoryview(flat.numpy()), 0  # read straight into the tensor: no intermediate copy
+        while done < self.nbytes:
+            n = os.preadv(fd, [view[done:]], self.offset + done)
+            if n == 0:
+                raise CheckpointError(f"{self.path}: truncated: {self.nbytes} bytes at offset {self.offset} expected, "
+                                      f"{done} read")
+            done += n
         return flat.view(getattr(torch, _ST_DTYPES[self.dtype])).view(self.shape)
 
 
