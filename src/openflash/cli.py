@@ -34,6 +34,9 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _expert_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--placement", default=None, metavar="plan.json",
+                        help="run with the placement `openflash plan --memory ... --out plan.json` wrote (weights, "
+                             "experts and their cache, Engram tier); not combined with those flags")
     parser.add_argument("--expert-placement", default="device", choices=["device", "host", "disk"],
                         help="where the routed experts live: device (the model's memory, default), host (read once "
                              "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
@@ -72,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--engram-placement", default="host", choices=["device", "host", "disk", "sharded"],
                       help="where the Engram tables live (affects the bytes-by-location table)")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    plan.add_argument("--memory", default=None, metavar="SIZE",
+                      help="host RAM to plan for (e.g. 24GiB): prints where each part goes so that it fits, the bytes a "
+                           "decode token reads from each tier and the tokens/s they allow")
+    plan.add_argument("--accelerator-memory", default=None, metavar="SIZE", help="with --memory: an accelerator's")
+    plan.add_argument("--batch", type=int, default=1, help="with --memory: sequences whose KV cache must fit")
+    plan.add_argument("--measure", action="store_true",
+                      help="with --memory: measure this machine's RAM and disk read bandwidth (writes a 1 GiB scratch "
+                           "file) instead of the defaults")
+    plan.add_argument("--out", default=None, metavar="plan.json",
+                      help="with --memory: write the placement for `generate` / `serve --placement plan.json`")
 
     # parity ------------------------------------------------------------------------------------------------
     parity = _add(sub, "parity", "openflash.commands.model:parity",

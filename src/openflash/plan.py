@@ -63,7 +63,7 @@ def _count(module: nn.Module, skip: tuple[type, ...] = ()) -> int:
     return sum(_logical(m) for m in module.modules() if not isinstance(m, skip))
 
 
-def _stored_bytes(module: nn.Module) -> int:
+def stored_bytes(module: nn.Module) -> int:
     """Bytes in the official checkpoint layout: FP8 dense linears and FP4 experts with their scales, F32 for the
     mHC / sink / router-bias tensors, bf16 for everything else."""
     total = 0
@@ -104,7 +104,7 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
     decode = 2 * embed + sum(layer["active"] for layer in layers)
 
     table_bytes = sum(m.num_rows * (m.dim + m.dim // 32) for m in model.modules() if isinstance(m, DeviceTable))
-    dense_bytes = _stored_bytes(model) - table_bytes
+    dense_bytes = stored_bytes(model) - table_bytes
     where = {"device": "accelerator", "host": "host", "disk": "disk", "sharded": "host (sharded across ranks)"}
     by_location = {"accelerator": dense_bytes}
     by_location[where[engram_placement]] = by_location.get(where[engram_placement], 0) + table_bytes

@@ -30,6 +30,10 @@ def config_show(args: Any) -> int:
 
 
 def plan(args: Any) -> int:
+    if args.memory is not None:
+        return plan_memory(args)
+    if args.accelerator_memory or args.out or args.measure:
+        raise OpenflashError("--accelerator-memory, --measure and --out go with --memory")
     plan = build_plan(args.config, args.context, args.engram_placement)
     if args.json:
         print(json.dumps(asdict(plan), indent=1))
@@ -52,6 +56,41 @@ def plan(args: Any) -> int:
     print(f"  global KV cache per token (FP4 main KV + MXFP4 index keys) {plan.kv_bytes_per_token:>13,} B")
     print(f"  window state per sequence (FP8 rings)                     {format_bytes(plan.window_bytes_per_sequence):>15}")
     print(f"  KV at {plan.context:,} tokens: {format_bytes(plan.kv_bytes_at_context)}")
+    return 0
+
+
+def plan_memory(args: Any) -> int:
+    """`openflash plan MODEL --memory SIZE [--accelerator-memory SIZE] [--measure] [--out plan.json]`."""
+    from openflash.placement_plan import measure_bandwidth, parse_size, plan_placement, write_placement
+
+    memory = parse_size(args.memory, "--memory")
+    accelerator = parse_size(args.accelerator_memory, "--accelerator-memory") if args.accelerator_memory else None
+    bandwidth = measure_bandwidth() if args.measure else None
+    p = plan_placement(args.config, memory, accelerator, args.context, args.batch, bandwidth)
+    if args.out:
+        write_placement(p, args.out)
+    if args.json:
+        print(json.dumps({"run": p.run_settings(), "plan": asdict(p)}, indent=1))
+        return 0
+    compute = "accelerator" if accelerator else "host"
+    print(f"openflash plan: {args.config} in {format_bytes(memory)} of host RAM" +
+          (f" + {format_bytes(accelerator)} of accelerator memory" if accelerator else "") +
+          f", context {args.context:,} x batch {args.batch}")
+    labels = {"dense": "dense weights (attention, shared experts, embed/head, ...)", "kv": "KV cache",
+              "experts": "routed experts", "engram": "Engram tables"}
+    for part in ("dense", "kv", "experts", "engram"):
+        extra = ""
+        if part == "experts" and p.where[part] != compute:
+            extra = f" (cache of {format_bytes(p.expert_cache_bytes)} on the {compute})"
+        print(f"  {labels[part]:<58} {format_bytes(p.parts[part]):>12}  -> {p.where[part]}{extra}")
+    print(f"  bytes read per decode token ({'measured' if p.measured else 'default'} bandwidths):")
+    for tier, n in p.bytes_per_token.items():
+        print(f"    {tier:<24} {format_bytes(n):>12} at {p.bandwidth[tier] / 1e9:.1f} GB/s")
+    print(f"  decode bound by those reads: {p.tokens_per_second:.2f} tokens/s")
+    for note in p.notes:
+        print(f"  note: {note}")
+    if args.out:
+        print(f"  placement written to {args.out}: run it with --placement {args.out}")
     return 0
 
 

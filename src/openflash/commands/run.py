@@ -19,15 +19,38 @@ from openflash.manifest import verify_manifest
 log = logging.getLogger("openflash.serve")
 
 
+def apply_placement(args: Any) -> None:
+    """--placement plan.json: its settings become the run's flags (given together with them, an error)."""
+    if args.placement is None:
+        return
+    from openflash.placement_plan import read_placement
+
+    defaults = {"weights": "auto", "expert_placement": "device", "expert_cache_bytes": 0,
+                "engram_placement": "device", "engram_cache_bytes": 0}
+    clash = [k for k, v in defaults.items() if hasattr(args, k) and getattr(args, k) != v]
+    if clash:
+        raise OpenflashError(f"--placement {args.placement} sets {', '.join('--' + k.replace('_', '-') for k in clash)}"
+                             f"; give one or the other")
+    for key, value in read_placement(args.placement).items():
+        setattr(args, key, value)
+
+
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
+    apply_placement(args)
+    engram = getattr(args, "engram_placement", "device")
     loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
-                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes)
+                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
+                        skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir())
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params)
-    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=loaded.memory(),
+    scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
+    memory = loaded.memory() if engram == "device" else serving_memory(
+        loaded, engram, args.model, Path(scratch.name), cache_bytes=getattr(args, "engram_cache_bytes", 0) or
+        DISK_ROW_CACHE_BYTES)
+    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=memory,
                            images=args.image, experts=loaded.experts)
     print(f"# {loaded.note}")
     print(args.prompt + result.text)
@@ -110,6 +133,7 @@ def serve(args: Any) -> int:
     from openflash.serve.images import ImagePolicy
     from openflash.vision.preprocess import ImageLimits
 
+    apply_placement(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
         raise OpenflashError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
