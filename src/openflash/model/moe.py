@@ -22,6 +22,9 @@ from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
 
 
+OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
+
+
 class ExpertSource(Protocol):
     """Routed experts that live outside the model (memory/experts.py: host RAM or the checkpoint's shards on disk,
     behind a cache); a model loaded without its routed experts reads them from here, through `StepContext`."""
@@ -131,7 +134,9 @@ class MoE(nn.Module, NumericsMixin):
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
-        experts = self._selected(counts, ctx)
+        if self.offloaded:
+            return self._routed_offloaded(x, weights, ids, counts, ctx).view(shape)
+        experts = {e: self.experts[e] for e in counts.nonzero().flatten().tolist()}
         return moe_kernels(self.numerics).experts(self, x, weights, ids, counts, experts).view(shape)
 
     @property
@@ -139,24 +144,35 @@ class MoE(nn.Module, NumericsMixin):
         """Loaded without its routed experts (they come from an ExpertSource)."""
         return self.experts[0].w1.weight.is_meta
 
-    def _selected(self, counts: torch.Tensor, ctx: StepContext) -> Mapping[int, "Expert"]:
-        active = counts.nonzero().flatten().tolist()
-        if not self.offloaded:
-            return {e: self.experts[e] for e in active}
+    def _routed_offloaded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                          ctx: StepContext) -> torch.Tensor:
+        """Experts from the step's ExpertSource, OFFLOAD_CHUNK at a time (a prefill may pick most of a layer's
+        experts: fetching them all at once would hold them all), each grouped as in `_routed_grouped`."""
         if ctx.experts is None:
             raise ValueError(f"layer {self.layer}: this model was loaded without its routed experts; pass "
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
-        return ctx.experts.experts(self.layer, active)
+        active = counts.nonzero().flatten().tolist()
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for start in range(0, len(active), OFFLOAD_CHUNK):
+            self._routed_sum(x, weights, ids, ctx.experts.experts(self.layer, active[start:start + OFFLOAD_CHUNK]), y)
+        return self.numerics.round(y + self.shared_experts(x).float())
+
+    def _routed_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: Mapping[int, "Expert"], y: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' contributions (fp32) added into y (zeros if None), one call per expert in `experts`
+        that received tokens, in their order (the same summation order however the experts are fetched)."""
+        if y is None:
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in experts.items():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
+            y[token] += expert(x[token], weights[token, slot]).float()
+        return y
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         counts: torch.Tensor, experts: Mapping[int, "Expert"]) -> torch.Tensor:
         """Grouped by expert: one call per expert that received tokens, no per-token loop; plus the shared one."""
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in counts.nonzero().flatten().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
-            y[token] += experts[e](x[token], weights[token, slot]).float()
-        y = y + self.shared_experts(x).float()
+        y = self._routed_sum(x, weights, ids, experts) + self.shared_experts(x).float()
         return self.numerics.round(y)
 
     def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -225,14 +241,16 @@ class MoeKernels:
 
 
 class BatchedMoeKernels(MoeKernels):
-    """fp32 / plain inference: decode-sized steps (up to BATCHED_PAIRS routed pairs) through `_routed_batched`;
-    larger ones (prefill), whose per-expert GEMMs amortize their calls, grouped by expert."""
+    """fp32 / plain inference: decode-sized steps (up to BATCHED_PAIRS routed pairs) through `_routed_batched`
+    when the experts' fp32 weights are cached; larger ones (prefill), whose per-expert GEMMs amortize their calls,
+    and "stored" weights, grouped by expert."""
 
     BATCHED_PAIRS = 256
 
     def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
-        if ids.numel() <= self.BATCHED_PAIRS:
+        # Only with fp32 weights at hand: stacking "stored" experts would materialise them all at once.
+        if ids.numel() <= self.BATCHED_PAIRS and moe.experts[0].w1.fp32_resident:
             return moe._routed_batched(x, weights, ids, counts, experts)
         return moe._routed_grouped(x, weights, ids, counts, experts)
 
