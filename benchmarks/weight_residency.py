@@ -1,6 +1,6 @@
 """Weights dequantized once (fp32 copies) against weights kept as stored (tile-by-tile dequantization), side by side.
 
-    python benchmarks/weight_residency.py [--config small] [--layers 2 --experts 16] [--rounds 3] [--steps 8]
+    python benchmarks/weight_residency.py [--config small] [--layers 1 --experts 16] [--rounds 3] [--steps 8]
 
 Two official-layout checkpoints written with `checkpoint synth`: the `small` preset (FP8 / FP4 at small width) and
 the released widths cut to a few layers and experts. Each is loaded both ways; rounds alternate the two on the same
@@ -45,7 +45,7 @@ def timed(model, report, prompt: torch.Tensor, steps: int) -> tuple[float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="small")
-    ap.add_argument("--layers", type=int, default=2, help="released-width layers")
+    ap.add_argument("--layers", type=int, default=1, help="released-width layers (1: before the first Engram layer)")
     ap.add_argument("--experts", type=int, default=16, help="released-width experts per layer")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
