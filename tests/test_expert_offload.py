@@ -96,3 +96,32 @@ def test_missing_or_truncated_expert_tensors_are_named(ckpt, tmp_path):
         ExpertStore(ckpt, cut, model.numerics, "disk")
     with pytest.raises(CheckpointError, match="preset 'tiny' has none"):
         open_model("tiny", expert_placement="disk")
+
+
+def _expert_parallel_rank(ctx, folder: str, out: str) -> None:
+    """One rank of test_expert_parallel_matches_one_process (module level: spawned processes import it)."""
+    model, report = load_checkpoint(folder, weights="stored", skip_experts=True)
+    store = ExpertStore(folder, model.cfg, model.numerics, "host", group=ctx)
+    assert all(e % ctx.world_size == ctx.rank for (_, e) in store._host)  # only this rank's share is resident
+    logits = _run(model, report, store)
+    if ctx.rank == 0:
+        torch.save(logits, out)
+
+
+def test_expert_parallel_matches_one_process(ckpt, tmp_path):
+    from openflash.train.distributed import spawn
+
+    spawn(_expert_parallel_rank, 2, str(ckpt), str(tmp_path / "logits.pt"))
+    got = torch.load(tmp_path / "logits.pt")
+    want = _run(*load_checkpoint(ckpt, weights="stored"))
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # the all_reduce sums in another order
+
+
+def test_expert_parallel_needs_its_processes(ckpt):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "openflash.cli", "generate", "--model", str(ckpt), "--prompt", "x",
+                          "--expert-parallel", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "torchrun --nproc_per_node 2" in out.stderr and "Traceback" not in out.stderr

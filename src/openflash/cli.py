@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
     _expert_flags(gen)
+    gen.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                     help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
+                          "on CPU, nccl on GPU): each holds 1/N of them, the rest is replicated")
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,

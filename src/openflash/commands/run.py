@@ -39,9 +39,40 @@ def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
     apply_placement(args)
     engram = getattr(args, "engram_placement", "device")
+    group = _expert_group(args)
     loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir())
+                        skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
+                        expert_group=group)
+    if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            return _generate(loaded, args, engram)
+    return _generate(loaded, args, engram)
+
+
+def _expert_group(args: Any) -> Any:
+    """--expert-parallel N: this process's group (torchrun's environment), experts on host unless placed."""
+    if args.expert_parallel == 1:
+        return None
+    from openflash.train.distributed import init_from_env
+
+    if args.expert_parallel < 1:
+        raise OpenflashError(f"--expert-parallel must be >= 1, got {args.expert_parallel}")
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.expert_parallel:
+        raise OpenflashError(f"--expert-parallel {args.expert_parallel} runs as that many processes: launch with "
+                             f"`torchrun --nproc_per_node {args.expert_parallel} -m openflash.cli generate ...` "
+                             f"(WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')})")
+    if args.speculative is not None:
+        raise OpenflashError("--expert-parallel does not combine with --speculative yet")
+    if args.expert_placement == "device":
+        args.expert_placement = "host"  # each rank holds its share in RAM, as stored
+    return init_from_env()
+
+
+def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     if args.speculative is not None:

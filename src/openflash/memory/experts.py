@@ -12,6 +12,12 @@ model/moe.py) for the experts their router picked, and this module is one:
 In front of either sits an LRU of ready-to-run experts under `cache_bytes` (0 = no limit), on the model's device.
 Counters per layer (hits, misses, bytes read) feed `/metrics` and the benchmarks. Outputs are bit-identical to the
 model's own experts: the same Expert module runs on the same stored bytes.
+
+Expert parallelism (`group`, a torch.distributed process group of N ranks): rank r holds only the experts e with
+e % N == r (of every layer) and runs the router's picks among them for every token; `combine` sums the ranks'
+routed outputs with one all_reduce per MoE layer. Every other weight and all activations are replicated, so this
+trades one [tokens, hidden] all_reduce per layer for 1/N of the experts' memory (an all-to-all dispatch of tokens to
+their experts' ranks would move less data at large batch; at decode batch sizes the all_reduce is one message).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -61,11 +67,21 @@ class ExpertStats:
                 "bytes_read": sum(c.bytes_read for c in self.layers.values()), "read_seconds": self.read_seconds}
 
 
+class ExpertGroup(Protocol):
+    """The processes sharing the experts (train/distributed.py's DistContext is one)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 class ExpertStore:
     """An ExpertSource over a checkpoint folder (module doc)."""
 
     def __init__(self, folder: str | Path, cfg: FlashConfig, numerics: Numerics, placement: str = "disk",
-                 cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4) -> None:
+                 cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4,
+                 group: ExpertGroup | None = None) -> None:
         if placement not in ("host", "disk"):
             raise OpenflashError(f"expert placement {placement!r}: the store serves host or disk (device experts "
                                  f"are the model's own)")
@@ -74,6 +90,7 @@ class ExpertStore:
         self.folder, self.cfg, self.numerics = Path(folder), cfg, numerics
         self.placement, self.cache_bytes, self.device = placement, cache_bytes, torch.device(device)
         self.stats = ExpertStats()
+        self.group = group if group is not None and group.world_size > 1 else None
         self._locations = self._index(tensor_locations(self.folder))
         self._fds: dict[Path, int] = {}
         self._fd_lock = threading.Lock()
@@ -96,7 +113,9 @@ class ExpertStore:
             if m:
                 layer, e, w, kind = int(m[1]), int(m[2]), m[3], m[4]
                 experts.setdefault((layer, e), {})[f"{w}.{kind}"] = loc
-        want = {(layer, e) for layer in range(cfg.num_hidden_layers) for e in range(cfg.n_routed_experts)}
+        want = {(layer, e) for layer in range(cfg.num_hidden_layers) for e in range(cfg.n_routed_experts)
+                if self.owns(e)}
+        experts = {key: parts for key, parts in experts.items() if key in want}
         missing = sorted(want - set(experts))
         if missing:
             layer, e = missing[0]
@@ -110,6 +129,10 @@ class ExpertStore:
                 raise CheckpointError(f"{self.folder}: layers.{key[0]}.ffn.experts.{key[1]} needs {sorted(need)}, "
                                       f"has {sorted(parts)}")
         return experts
+
+    def owns(self, e: int) -> bool:
+        """This process runs expert e (every expert without a group)."""
+        return self.group is None or e % self.group.world_size == self.group.rank
 
     def expert_bytes(self, layer: int, e: int) -> int:
         return sum(loc.nbytes for loc in self._locations[(layer, e)].values())
@@ -150,11 +173,14 @@ class ExpertStore:
                 torch.float16: "F16", torch.float32: "F32"}[t.dtype]
 
     # ---- the ExpertSource protocol ---------------------------------------------------------------------------
+    def combine(self, routed: torch.Tensor) -> torch.Tensor:
+        return routed if self.group is None else self.group.all_reduce_sum_(routed)
+
     def experts(self, layer: int, ids: list[int]) -> Mapping[int, Expert]:
         counters = self.stats.layer(layer)
         out: dict[int, Expert] = {}
         misses = []
-        for e in ids:
+        for e in (e for e in ids if self.owns(e)):
             cached = self._cache.get((layer, e))
             if cached is not None:
                 self._cache.move_to_end((layer, e))

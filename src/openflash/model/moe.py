@@ -21,7 +21,6 @@ from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
 
-
 OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
 
 
@@ -30,7 +29,11 @@ class ExpertSource(Protocol):
     behind a cache); a model loaded without its routed experts reads them from here, through `StepContext`."""
 
     def experts(self, layer: int, ids: list[int]) -> Mapping[int, "Expert"]:
-        """The experts `ids` of backbone layer `layer`, ready to run on the model's device."""
+        """The experts `ids` of backbone layer `layer` that this process runs (all of them, or under expert
+        parallelism its share), ready to run on the model's device."""
+
+    def combine(self, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum over every process that ran a share (itself, in a single process)."""
 
 
 class Gate(nn.Module):
@@ -155,7 +158,7 @@ class MoE(nn.Module, NumericsMixin):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for start in range(0, len(active), OFFLOAD_CHUNK):
             self._routed_sum(x, weights, ids, ctx.experts.experts(self.layer, active[start:start + OFFLOAD_CHUNK]), y)
-        return self.numerics.round(y + self.shared_experts(x).float())
+        return self.numerics.round(ctx.experts.combine(y) + self.shared_experts(x).float())
 
     def _routed_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: Mapping[int, "Expert"], y: torch.Tensor | None = None) -> torch.Tensor:
