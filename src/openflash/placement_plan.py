@@ -42,6 +42,7 @@ from openflash.plan import build_plan, format_bytes, stored_bytes
 
 GiB = 1 << 30
 WORK_RESERVE = 2 * GiB  # activations, runtime, allocator slack
+ENGRAM_ROW_CACHE = 64 << 20  # the disk tier's row cache when the tables go to disk (serve's default)
 # Bandwidths when not measured (bytes/s): a server's DRAM, PCIe 4 x16, an NVMe SSD, HBM3.
 DEFAULT_BANDWIDTH = {"host": 50e9, "host_to_accelerator": 25e9, "disk": 3e9, "accelerator": 3e12}
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -152,15 +153,19 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
     room[compute] -= must
     where = {"dense": compute, "kv": compute}
     notes = []
+    # Engram tables that will not fit next to everything else get the disk tier's row cache, reserved first.
+    engram_on_disk = parts["engram"] > room["host"]
+    if engram_on_disk:
+        room["host"] = max(0, room["host"] - ENGRAM_ROW_CACHE)
     if parts["experts"] <= room[compute]:
         where["experts"], cache = compute, 0
         room[compute] -= parts["experts"]
     elif compute == "accelerator" and parts["experts"] <= room["host"]:
-        where["experts"], cache = "host", room["accelerator"]
+        where["experts"], cache = "host", max(1, room["accelerator"])
         room["host"] -= parts["experts"]
         room["accelerator"] = 0
     else:
-        where["experts"], cache = "disk", room[compute]
+        where["experts"], cache = "disk", max(1, room[compute])  # 1 byte: keep nothing (0 would mean no limit)
         room[compute] = 0
         if cache < facts["expert_bytes"] * facts["cfg"].num_experts_per_tok:
             notes.append("the expert cache holds less than one layer's picks: every token reads its experts")
@@ -168,7 +173,10 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
         where["engram"], engram_cache = "host", 0
         room["host"] -= parts["engram"]
     else:
-        where["engram"], engram_cache = "disk", min(room["host"], 1 * GiB)
+        where["engram"], engram_cache = "disk", ENGRAM_ROW_CACHE
+        if not engram_on_disk:
+            notes.append("the Engram tables went to disk after the experts took the room: their row cache comes on "
+                         "top of --memory")
     # Bytes per decode token, by the tier they are read from.
     per_token: dict[str, float] = {"accelerator": 0.0, "host": 0.0, "disk": 0.0, "host_to_accelerator": 0.0}
     per_token[compute] += facts["dense_per_token"]
