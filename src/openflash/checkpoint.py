@@ -86,8 +86,8 @@ class _TensorFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.where = tensor_locations(folder)
         self._fds: dict[Path, int] = {}
+        self.where = tensor_locations(folder)
 
     def names(self) -> list[str]:
         return list(self.where)
@@ -108,6 +108,9 @@ class _TensorFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def __del__(self) -> None:  # a load that raised midway still releases its descriptors
+        self.close()
 
 
 def _expected_dtype(tensor: torch.Tensor) -> str:
