@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import build_model, load_checkpoint, resident_bytes
+from openflash.checkpoint import load_checkpoint, resident_bytes
 from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
 from openflash.memory.placement import EngramMemory
 from openflash.model.layers import Linear
+from openflash.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
 from openflash.synth import cut_config, synthesize
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,42 +51,8 @@ def mem_total() -> int:
 
 
 def stored_layout(layers: int) -> dict[str, int]:
-    """Stored bytes of the checkpoint's parts at `layers` layers (from the model on the meta device)."""
-    model = build_model(cut_config(load_config("flash"), layers=layers, vision=False), device="meta")
-    experts = dense = 0
-    for name, t in model.state_dict().items():
-        nbytes = t.numel() * (t.element_size() if t.dtype != torch.float32 else 2)
-        if ".ffn.experts." in name:
-            experts += nbytes
-        elif ".engram.embed." not in name:
-            dense += nbytes
-    return {"experts": experts, "dense": dense}
-
-
-def ram_bandwidth() -> float:
-    """Bytes/s of a large fp32 copy (read + write counted once each)."""
-    a = torch.empty(GiB // 16, dtype=torch.float32).fill_(1.0)  # 256 MiB: small next to the budget (peak RSS)
-    b = torch.empty_like(a)
-    best = math.inf
-    for _ in range(3):
-        t = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * a.numel() * 4 / best
-
-
-def disk_bandwidth(path: Path, nbytes: int = 2 * GiB, chunk: int = 16 << 20) -> float:
-    """Cold sequential read bandwidth of a file: its cached pages dropped first (POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = min(nbytes, os.fstat(fd).st_size)
-        t, done = time.perf_counter(), 0
-        while done < size:
-            done += len(os.pread(fd, chunk, done))
-        return done / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
+    """Stored bytes of the checkpoint's parts at `layers` layers."""
+    return stored_parts(cut_config(load_config("flash"), layers=layers, vision=False))[0]
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -108,7 +75,7 @@ def main() -> None:
 
     ram = mem_total()
     per_layer = stored_layout(2)["experts"] // 2
-    base = stored_layout(1)
+    base = stored_layout(1)  # dense: embedding, head, one layer
     layers = args.layers or max(1, math.ceil((args.ram_factor * ram - base["dense"]) / (per_layer + 0.15 * GiB)))
     folder = Path(args.dir)
     marker = folder / "SYNTH_DONE.json"
@@ -125,7 +92,7 @@ def main() -> None:
           f"{layers} layers at released width", flush=True)
 
     shard = max((f for f in folder.glob("model-*.safetensors")), key=lambda f: f.stat().st_blocks)
-    bw_disk, bw_ram = disk_bandwidth(shard), ram_bandwidth()
+    bw_disk, bw_ram = disk_read_bandwidth(shard), ram_bandwidth()
     print(f"measured: RAM copy {bw_ram / GiB:.1f} GiB/s, cold disk read {bw_disk / GiB:.2f} GiB/s", flush=True)
 
     model, report = load_checkpoint(folder, weights="stored", skip_experts=True, skip_engram_tables=True)

@@ -41,7 +41,7 @@ from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
 from openflash.run_dir import latest_checkpoint
-from openflash.shards import INDEX_FILE, SINGLE_FILE, tensor_locations
+from openflash.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
@@ -86,8 +86,8 @@ class _TensorFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._fds: dict[Path, int] = {}
         self.where = tensor_locations(folder)
+        self.reader = ShardReader()
 
     def names(self) -> list[str]:
         return list(self.where)
@@ -99,18 +99,10 @@ class _TensorFiles:
     def get(self, name: str) -> torch.Tensor:
         """The tensor, read with positioned reads (nothing is mapped: a file truncated later fails a read with
         a CheckpointError instead of a SIGBUS)."""
-        loc = self.where[name]
-        if loc.path not in self._fds:
-            self._fds[loc.path] = os.open(loc.path, os.O_RDONLY)
-        return loc.read(self._fds[loc.path])
+        return self.reader.read(self.where[name])
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __del__(self) -> None:  # a load that raised midway still releases its descriptors
-        self.close()
+        self.reader.close()
 
 
 def _expected_dtype(tensor: torch.Tensor) -> str:
@@ -369,7 +361,7 @@ def _materialize_runtime_buffers(model: Transformer, device: str | torch.device)
 
 # ---- writing -------------------------------------------------------------------------------------------------
 
-def _official_tensors(model: Transformer, name: str, tensor: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+def official_tensors(name: str, tensor: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """The tensor(s) stored for one state_dict entry. dtype: fp32 (as trained), bf16, or fp8 (official layout:
     FP8 dense linears, FP4 routed experts, FP8 Engram rows, bf16 elsewhere, F32 for the fp32 params)."""
     t = tensor.detach().cpu()
@@ -403,7 +395,7 @@ def save_checkpoint(model: Transformer, path: str | Path, *, dtype: str = "fp32"
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        tensors.update(_official_tensors(model, name, tensor, dtype))
+        tensors.update(official_tensors(name, tensor, dtype))
     cfg = model.cfg
     if dtype == "fp8":
         cfg = cfg.replace(weight_dtype="fp8", expert_dtype="fp4")

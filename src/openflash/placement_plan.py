@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from openflash.checkpoint import build_model
-from openflash.config import load_config
+from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.plan import build_plan, format_bytes, stored_bytes
 
@@ -86,9 +86,9 @@ class Placement:
                 "engram_cache_bytes": self.engram_cache_bytes}
 
 
-def _parts(name_or_path: str) -> tuple[dict[str, int], dict[str, Any]]:
+def stored_parts(config: str | FlashConfig) -> tuple[dict[str, int], dict[str, Any]]:
     """Stored bytes of the dense weights, routed experts and Engram tables, and the per-token facts."""
-    cfg = load_config(name_or_path)
+    cfg = config if isinstance(config, FlashConfig) else load_config(config)
     model = build_model(cfg, device="meta")
     experts = sum(stored_bytes(block.ffn.experts) for block in model.layers)
     tables = sum(stored_bytes(t) for t in model.engram_tables().values())
@@ -104,32 +104,45 @@ def _parts(name_or_path: str) -> tuple[dict[str, int], dict[str, Any]]:
     return parts, facts
 
 
-def measure_bandwidth(scratch: str | Path | None = None, nbytes: int = 1 * GiB) -> dict[str, float]:
-    """This machine's host RAM copy bandwidth and cold disk read bandwidth (a scratch file, its cache dropped)."""
-    a = torch.empty(nbytes // 4 // 4, dtype=torch.float32).fill_(1.0)
+def ram_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a large fp32 copy (its read and its write both counted), best of 3."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     b = torch.empty_like(a)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
-    ram = 2 * a.numel() * 4 / best
-    del a, b
+    return 2 * nbytes / best
+
+
+def disk_read_bandwidth(path: str | Path, nbytes: int = 2 * GiB, chunk: int = 16 << 20) -> float:
+    """Cold sequential read bandwidth of (the first nbytes of) a file, its cached pages dropped first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = min(nbytes, os.fstat(fd).st_size)
+        t, done = time.perf_counter(), 0
+        while done < size:
+            got = len(os.pread(fd, chunk, done))
+            if not got:
+                break
+            done += got
+        return done / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+
+
+def measure_bandwidth(scratch: str | Path | None = None, nbytes: int = 1 * GiB) -> dict[str, float]:
+    """This machine's host RAM copy bandwidth and cold disk read bandwidth (a scratch file, written then read)."""
     with tempfile.NamedTemporaryFile(dir=scratch, prefix="openflash-bw-") as f:
         block = os.urandom(16 << 20)
         for _ in range(nbytes // len(block)):
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        t, done = time.perf_counter(), 0
-        while done < nbytes:
-            chunk = os.pread(f.fileno(), 16 << 20, done)
-            if not chunk:
-                break
-            done += len(chunk)
-        disk = done / (time.perf_counter() - t)
-    return {**DEFAULT_BANDWIDTH, "host": ram, "disk": disk}
+        disk = disk_read_bandwidth(f.name, nbytes)
+    return {**DEFAULT_BANDWIDTH, "host": ram_bandwidth(), "disk": disk}
 
 
 def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | None = None, context: int = 65536,
@@ -137,7 +150,7 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
     """The placement of the module doc; OpenflashError when nothing fits."""
     if memory < 1 or (accelerator_memory is not None and accelerator_memory < 1) or context < 1 or batch < 1:
         raise OpenflashError("--memory, --accelerator-memory, --context and --batch must be positive")
-    parts, facts = _parts(name_or_path)
+    parts, facts = stored_parts(name_or_path)
     base = build_plan(name_or_path, context=context)
     parts["kv"] = batch * base.kv_bytes_at_context
     bw = dict(bandwidth or DEFAULT_BANDWIDTH)

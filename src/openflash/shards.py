@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +81,34 @@ class TensorLocation:
                                       f"{done} read")
             done += n
         return flat.view(getattr(torch, _ST_DTYPES[self.dtype])).view(self.shape)
+
+
+class ShardReader:
+    """Reads tensors of a checkpoint by positioned reads, one descriptor per shard file, opened on first use (safe
+    from several threads)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, loc: TensorLocation) -> "torch.Tensor":
+        with self._lock:
+            fd = self._fds.get(loc.path)
+            if fd is None:
+                try:
+                    fd = self._fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"{loc.path}: cannot open: {exc.strerror}") from None
+        return loc.read(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:  # a load that raised midway still releases its descriptors
+        self.close()
 
 
 _ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4,

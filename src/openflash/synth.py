@@ -35,9 +35,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from openflash import formats
 from openflash.atomic import write_text_atomic
-from openflash.checkpoint import build_model
+from openflash.checkpoint import build_model, official_tensors
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
@@ -46,10 +45,7 @@ from openflash.memory.table_file import TableHeader, table_file_name
 from openflash.shards import INDEX_FILE
 from openflash.tokenizer import needs_cut, preset_tokenizer
 
-_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
-                         r"|mtp\.\d+\.main_proj)\.weight$")
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
-_F32 = re.compile(r"(attn_sink|gate\.bias|gate\.bias_vl|hc_(attn|ffn)_(fn|base|scale))$")
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
 
 
@@ -120,21 +116,16 @@ def _random_fp4(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, t
 
 def _tensors_of(name: str, meta: torch.Tensor, gen: torch.Generator,
                 rng: np.random.Generator) -> dict[str, torch.Tensor]:
-    """The stored tensor(s) of one state_dict entry, in the official dtypes."""
-    stem = name[: -len("weight")]
-    if _FP4_EXPERT.search(name):
-        t = _random_fp4(tuple(meta.shape), rng)
-        return {name: t["weight"], stem + "scale": t["scale"]}
-    if _FP8_LINEAR.search(name):
-        q, s = formats.quantize_fp8_blocks(_random_float(name, tuple(meta.shape), gen))
-        return {name: q.view(torch.float8_e4m3fn), stem + "scale": s.view(torch.float8_e8m0fnu)}
-    if name.endswith("engram.embed.weight"):
-        q, s = formats.encode_window_fp8(torch.randn(tuple(meta.shape), generator=gen) * 0.5)
-        return {name: q.view(torch.float8_e4m3fn), stem + "scale": s.view(torch.float8_e8m0fnu)}
+    """The stored tensor(s) of one state_dict entry, in the official dtypes (checkpoint.official_tensors, but for
+    the routed experts: random codes, not quantized gaussians)."""
     if name.endswith(".scale"):
         return {}  # written with its weight
-    t = _random_float(name, tuple(meta.shape), gen)
-    return {name: t.float() if _F32.search(name) else t.to(torch.bfloat16)}
+    if _FP4_EXPERT.search(name):
+        t = _random_fp4(tuple(meta.shape), rng)
+        return {name: t["weight"], name[: -len("weight")] + "scale": t["scale"]}
+    if name.endswith("engram.embed.weight"):
+        return official_tensors(name, 0.5 * torch.randn(tuple(meta.shape), generator=gen), "fp8")
+    return official_tensors(name, _random_float(name, tuple(meta.shape), gen), "fp8")
 
 
 def _write_sparse_table(path: Path, name: str, rows: int, dim: int) -> int:

@@ -22,9 +22,7 @@ their experts' ranks would move less data at large batch; at decode batch sizes 
 
 from __future__ import annotations
 
-import os
 import re
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +36,7 @@ from openflash.config import FlashConfig
 from openflash.errors import CheckpointError, OpenflashError
 from openflash.model.moe import Expert
 from openflash.model.numerics import Numerics
-from openflash.shards import TensorLocation, tensor_locations
+from openflash.shards import ShardReader, TensorLocation, tensor_locations
 
 EXPERT_PLACEMENTS = ("device", "host", "disk")
 ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
@@ -92,8 +90,7 @@ class ExpertStore:
         self.stats = ExpertStats()
         self.group = group if group is not None and group.world_size > 1 else None
         self._locations = self._index(tensor_locations(self.folder))
-        self._fds: dict[Path, int] = {}
-        self._fd_lock = threading.Lock()
+        self._reader = ShardReader()
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="openflash-experts")
         self._cache: OrderedDict[tuple[int, int], tuple[Expert, int]] = OrderedDict()  # -> (expert, bytes)
         self._cached_bytes = 0
@@ -138,20 +135,11 @@ class ExpertStore:
         return sum(loc.nbytes for loc in self._locations[(layer, e)].values())
 
     # ---- reading --------------------------------------------------------------------------------------------
-    def _fd(self, path: Path) -> int:
-        with self._fd_lock:
-            if path not in self._fds:
-                try:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot open: {exc.strerror}") from None
-            return self._fds[path]
-
     def _read(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
-        return {part: loc.read(self._fd(loc.path)) for part, loc in self._locations[key].items()}
+        return {part: self._reader.read(loc) for part, loc in self._locations[key].items()}
 
-    def _module(self, tensors: dict[str, torch.Tensor]) -> Expert:
-        storage = _STORAGE[self._locations_dtype(tensors)]
+    def _module(self, key: tuple[int, int], tensors: dict[str, torch.Tensor]) -> Expert:
+        storage = _STORAGE[self._locations[key]["w1.weight"].dtype]
         cfg = self.cfg
         with torch.device("meta"):
             expert = Expert(cfg.hidden_size, cfg.moe_intermediate_size, storage, cfg.swiglu_limit)
@@ -165,12 +153,6 @@ class ExpertStore:
             if hasattr(module, "keep_dequantized"):
                 module.keep_dequantized = False  # the cache holds stored bytes, never fp32 copies
         return expert
-
-    @staticmethod
-    def _locations_dtype(tensors: dict[str, torch.Tensor]) -> str:
-        t = tensors["w1.weight"]
-        return {torch.int8: "I8", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16",
-                torch.float16: "F16", torch.float32: "F32"}[t.dtype]
 
     # ---- the ExpertSource protocol ---------------------------------------------------------------------------
     def combine(self, routed: torch.Tensor) -> torch.Tensor:
@@ -200,7 +182,7 @@ class ExpertStore:
                 nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
                 if self.placement == "disk" or self.device.type != "cpu":
                     counters.bytes_read += nbytes
-                out[e] = self._module(tensors)
+                out[e] = self._module((layer, e), tensors)
                 self._insert((layer, e), out[e], nbytes)
         return out
 
@@ -221,10 +203,7 @@ class ExpertStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._reader.close()
 
     def __del__(self) -> None:  # descriptors are the only OS resource held
         try:

@@ -309,8 +309,9 @@ class OpenflashServer:
             raise RuntimeError(f"the {fmt.name} chat format rendered {len(pieces) - 1} image marks for "
                                f"{len(images)} images")
         segments: list[list[int] | PreparedImage] = []
-        for k, piece in enumerate(pieces):
-            segments.append(self.encode(piece, add_special_tokens=False))
+        encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)  # one call for every text piece
+        for k, piece in enumerate(encoded):
+            segments.append(piece.ids)
             if k < len(images):
                 segments.append(images[k])
         ids, placed = assemble(segments, self.engine.cfg.image_token_id)
