@@ -11,7 +11,7 @@ import torch
 from openflash.checkpoint import load_checkpoint, open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
-from openflash.errors import CheckpointError
+from openflash.errors import CheckpointError, OpenflashError
 from openflash.memory.experts import ExpertStore
 from openflash.memory.placement import EngramMemory
 from openflash.serve.metrics import render
@@ -125,3 +125,11 @@ def test_expert_parallel_needs_its_processes(ckpt):
     out = subprocess.run([sys.executable, "-m", "openflash.cli", "generate", "--model", str(ckpt), "--prompt", "x",
                           "--expert-parallel", "2"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "torchrun --nproc_per_node 2" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_store_settings_are_named(ckpt):
+    model, _ = load_checkpoint(ckpt, skip_experts=True)
+    with pytest.raises(OpenflashError, match="--expert-cache-bytes must be >= 0, got -1"):
+        ExpertStore(ckpt, model.cfg, model.numerics, "disk", cache_bytes=-1)
+    with pytest.raises(OpenflashError, match="the store serves host or disk"):
+        ExpertStore(ckpt, model.cfg, model.numerics, "device")

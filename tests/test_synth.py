@@ -69,3 +69,19 @@ def test_released_width_layer_prefills_and_decodes_with_stored_weights(tmp_path)
     prefill, decode = _step(model, load, torch.randint(3, 120000, (1, 8)))
     assert prefill.shape == decode.shape == (1, 129280)
     assert torch.isfinite(prefill).all() and torch.isfinite(decode).all()
+
+
+def test_bad_synth_requests_are_named(tmp_path):
+    import pytest
+
+    from openflash.errors import OpenflashError
+
+    with pytest.raises(OpenflashError, match="--layers must be in 1..40, got 0"):
+        cut_config(load_config("flash"), layers=0)
+    with pytest.raises(OpenflashError, match="--experts must be in 1..384, got 999"):
+        cut_config(load_config("flash"), experts=999)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(OpenflashError, match="not empty; checkpoint synth writes a new folder"):
+        synthesize("tiny", tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"  # nothing lost
