@@ -93,20 +93,29 @@ def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int,
             "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
 
 
-def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096, prefill_chunk=128,
-                                                max_step_tokens=512, prefix_cache=False))
-    engine.start()
+def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int,
+                      prefill_batches: list[int]) -> list[dict]:
+    """Each level run on one engine per prefill_batch value, back to back (variants side by side)."""
+    engines = {b: LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096, prefill_chunk=128,
+                                                     max_step_tokens=512, prefix_cache=False, prefill_batch=b))
+               for b in prefill_batches}
+    for engine in engines.values():
+        engine.start()
     try:
-        closed_loop(engine, 2, 2, prompt_len, 4, seed=10_000)  # warm-up
+        for engine in engines.values():
+            closed_loop(engine, 2, 2, prompt_len, 4, seed=10_000)  # warm-up
         rows = []
         for c in levels:
             requests = max(4, c) if c < 64 else c  # bounded: every client sends 1-4 requests
-            rows.append(closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c))
-            print(f"  {c:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tok/s", flush=True)
+            for b, engine in engines.items():
+                rows.append({"prefill_batch": b, **closed_loop(engine, c, requests, prompt_len, max_tokens,
+                                                                  seed=1000 * c)})
+                print(f"  {c:3d} clients, prefill_batch {b:2d}: {rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT p50 "
+                      f"{rows[-1]['ttft_p50_s'] * 1000:.0f} ms", flush=True)
         return rows
     finally:
-        engine.shutdown(0)
+        for engine in engines.values():
+            engine.shutdown(0)
 
 
 def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int):
@@ -265,7 +274,10 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=1536, help="shared system prompt of the prefix workload")
     ap.add_argument("--long-prompt", type=int, default=1024, help="prompt of the prefill-mode comparison")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (engine and HTTP server)")
+    ap.add_argument("--prefill-batch", nargs="+", type=int, default=[1, 16],
+                    help="engine prefill_batch values compared side by side (the last one is the default's figures)")
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--concurrency-only", action="store_true", help="skip the shared-prefix and prefill-mode parts")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -277,30 +289,37 @@ def main() -> None:
         loaded = open_model(preset)
         model, tok = loaded.model, loaded.tokenizer
         r: dict = {}
-        r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens)
-        one = next((x for x in r["concurrency"] if x["clients"] == 1), None)
-        sixteen = next((x for x in r["concurrency"] if x["clients"] == 16), None)
+        r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens,
+                                             args.prefill_batch)
+        main_rows = [x for x in r["concurrency"] if x["prefill_batch"] == args.prefill_batch[-1]]
+        one = next((x for x in main_rows if x["clients"] == 1), None)
+        sixteen = next((x for x in main_rows if x["clients"] == 16), None)
         if one and sixteen:
             r["throughput_16_vs_1"] = sixteen["tokens_per_s"] / one["tokens_per_s"]
+        results["presets"][preset] = r
+        if args.concurrency_only:
+            continue
         r["shared_prefix"] = bench_shared_prefix(model, tok, args.system_len, 16, 5, 256)
         sp = r["shared_prefix"]
         print(f"  shared prefix: TTFT x{sp['ttft_speedup']:.1f} (replay x{sp['ttft_speedup_replay']:.1f})", flush=True)
         r["prefill_modes"] = bench_prefill_modes(model, tok, args.long_prompt, 3, 256)
         print(f"  bounded vs exact prefill: x{r['prefill_modes']['speedup']:.2f}", flush=True)
-        results["presets"][preset] = r
     if not args.skip_http:
         print("== http (tiny, openflash serve)", flush=True)
         results["http_tiny"] = bench_http(args.levels, args.prompt_len, args.max_tokens, args.threads)
 
     print(f"\nload average at start {results['load_average_at_start']}, torch threads {args.threads}")
-    print(f"{'preset':6s} {'clients':>7s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+    print(f"{'preset':6s} {'clients':>7s} {'pack':>4s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
           f"{'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
     rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
     rows += [("http", x) for x in results.get("http_tiny", [])]
     for name, x in rows:
-        print(f"{name:6s} {x['clients']:7d} {x['requests']:4d} {x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
+        print(f"{name:6s} {x['clients']:7d} {x.get('prefill_batch', '-'):>4} {x['requests']:4d} {x['tokens_per_s']:8.1f} "
+              f"{fmt(x['ttft_p50_s']):>9s} "
               f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
     for p, r in results["presets"].items():
+        if "shared_prefix" not in r:
+            continue
         sp, pm = r["shared_prefix"], r["prefill_modes"]
         ttft_off, ttft_on = sp["without_prefix_cache"]["ttft_p50_s"], sp["with_prefix_cache"]["ttft_p50_s"]
         print(f"{p}: 16 vs 1 client throughput x{r.get('throughput_16_vs_1', float('nan')):.2f}; shared prefix "

@@ -202,6 +202,41 @@ def test_batched_greedy_equals_sequential(plain):
     assert engine.factory.pool.blocks_in_use == 0 and engine.runner.batch is None
 
 
+@pytest.mark.parametrize("mode", ["bounded", "exact"])
+def test_packed_prefill_equals_one_prompt_at_a_time(plain, mode):
+    """Prompt chunks of equal length share a model call (pending bounded replays and Engram hash histories joined
+    and split back); greedy outputs equal prefilling one prompt per call, with fewer calls."""
+    model, tok = plain
+    ps = prompts(9, 20, 70, seed=5) + [[9] * 33, [11] * 33]  # multi-chunk prompts, two of one length
+    params = SamplingParams(max_tokens=6)
+    outputs, calls = [], []
+    for batch in (1, 16):
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=11, prefill_chunk=16, max_step_tokens=200,
+                                                    prefill_mode=mode, prefix_cache=False, prefill_batch=batch))
+        outputs.append([s.output_ids for s in engine.generate(ps, params, ignore_eos=True)])
+        calls.append(engine.runner.prefill_calls)
+        assert engine.factory.pool.blocks_in_use == 0
+    assert outputs[0] == outputs[1] == [generate(model, tok, p, params, mode=mode).token_ids for p in ps]
+    assert calls[0] == sum(-(-len(p) // 16) for p in ps) and calls[1] < 0.6 * calls[0]
+
+
+def test_a_failing_packed_prefill_fails_only_its_requests(plain, monkeypatch):
+    model, tok = plain
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+    real = engine.runner._step
+
+    def flaky(ids, cache, *args, **kwargs):
+        if ids.shape == (2, 16):
+            raise RuntimeError("injected failure")
+        return real(ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "_step", flaky)
+    seqs = engine.generate([[5] * 16, [6] * 16, [7] * 9], SamplingParams(max_tokens=3), ignore_eos=True)
+    assert [s.finish_reason for s in seqs] == ["error", "error", "length"]
+    assert "injected failure" in seqs[0].error and len(seqs[2].output_ids) == 3
+    assert engine.factory.pool.blocks_in_use == 0
+
+
 def test_seeded_sampling_is_independent_of_the_batch(plain):
     model, tok = plain
     ps = prompts(5, seed=4)

@@ -236,6 +236,22 @@ def test_engine_with_images_matches_plain_generation_and_prefix_cache_never_conf
     assert [s.num_cached for s in seqs] == [0, 0, 16]  # the other image never hits; the same image does
 
 
+def test_packed_prefill_carries_each_prompts_image_rows(vl):
+    """Image prompts of one length (and a text prompt) prefilled in one call: each row gets its own spans."""
+    model, tok = vl
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompts = [text_prompt(tok, "<image> What is in this picture?", [_noise(112, 112, seed)], model.cfg)
+               for seed in (0, 1)]
+    prompts.append((prompts[0][0][:2] + [7] * (len(prompts[0][0]) - 2), []))  # text only, same length
+    want = [generate(model, tok, ids, params, images=images, prefill_chunk=16).token_ids
+            for ids, images in prompts]
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=3, max_context=256, prefill_chunk=16, prefix_cache=False),
+                       EngramMemory.attach(model, "device", tokenizer=tok))
+    seqs = engine.generate([ids for ids, _ in prompts], params, images=[images for _, images in prompts])
+    assert [s.output_ids for s in seqs] == want
+    assert engine.runner.prefill_calls == -(-len(prompts[0][0]) // 16)  # one call per chunk for all three
+
+
 def test_engine_refuses_images_for_a_text_model_and_bad_spans(vl):
     model, tok = vl
     ids, images = _prompt(vl)

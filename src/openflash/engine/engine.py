@@ -6,7 +6,7 @@
         engine.step()                      # or engine.start() for a background thread (the server)
 
 One `step()`: take new requests and cancellations, let the scheduler pick prompt chunks and the decode set, prefill
-the chunks one sequence at a time, decode every running sequence in one batched call, sample (each request with its
+the chunks (those of equal length packed into one model call), decode every running sequence in one batched call, sample (each request with its
 own generator, so batch composition never changes a result), apply stop conditions, free finished sequences at
 once, and hand each request its `RequestOutput`.
 
@@ -33,9 +33,9 @@ from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
                                       validate_prompt)
-from openflash.engine.runner import PREFILL_MODES, EngramTier, ModelRunner
+from openflash.engine.runner import PREFILL_MODES, ChunkTask, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
-from openflash.engine.scheduler import Scheduler, SchedulerConfig
+from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError, RequestError
 from openflash.memory.placement import EngramMemory
 from openflash.model.moe import ExpertSource
@@ -51,6 +51,7 @@ class EngineConfig:
     max_context: int = 4096  # prompt + completion tokens per sequence
     max_step_tokens: int = 512  # prompt + decode tokens per engine step
     prefill_chunk: int = 128  # prompt chunk length (chunks end at multiples of it)
+    prefill_batch: int = 16  # prompt chunks of equal length packed into one model call (1: one at a time)
     max_waiting: int = 256  # queued requests before add_request refuses (QueueFullError)
     prefill_mode: str = "bounded"  # CED bounded replay (architecture.md §7.3) or "exact"
     kv_storage: str = "fp32"  # "fp32" or "packed" (FP4 main KV, MXFP4 index keys, FP8 window rings)
@@ -76,6 +77,8 @@ class EngineConfig:
             raise OpenflashError("num_speculative_tokens needs speculative='dspark'")
         if self.prefix_restore not in RESTORE_MODES:
             raise OpenflashError(f"prefix_restore must be one of {list(RESTORE_MODES)}, got {self.prefix_restore!r}")
+        if self.prefill_batch < 1:
+            raise OpenflashError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
         if self.max_context < 2:
             raise OpenflashError(f"max_context must be >= 2, got {self.max_context}")
         block = self.prefix_block_tokens
@@ -116,7 +119,7 @@ class LLMEngine:
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
         self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts,
-                                  experts)
+                                  experts, config.prefill_batch)
         self.experts = experts
         self._expert_stats: dict | None = experts.summary() if experts is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
@@ -222,22 +225,27 @@ class LLMEngine:
             if seq is not None:
                 outputs.append((seq, self._finish(seq, ABORT)))
         plan = self.scheduler.schedule()
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            if seq.finished:
-                continue
-            try:
-                logits = self.runner.prefill(seq, chunk.start, chunk.end)
+        for wave in _waves(plan.prefills):
+            wave = [c for c in wave if not c.seq.finished]
+            results = self.runner.prefill_many([ChunkTask(c.seq, c.start, c.end) for c in wave])
+            for chunk, result in zip(wave, results):
+                seq = chunk.seq
+                if result.error is not None:  # a failure fails this request, not the server
+                    exc = result.error
+                    log.error("prefill of request %s failed", seq.request_id, exc_info=exc)
+                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                    continue
                 self.metrics.prompt_tokens += chunk.num_tokens
-                self._cache_prefix(seq, chunk.start, chunk.end)
-            except Exception as exc:  # a failure fails this request, not the server
-                log.exception("prefill of request %s failed", seq.request_id)
-                outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
-                continue
-            if chunk.last:
-                self.scheduler.promote(seq)
-                token = self.next_tokens(logits.unsqueeze(0), [seq])[0]
-                outputs.append((seq, self._append(seq, token)))
+                try:
+                    self._cache_prefix(seq, chunk.start, chunk.end)
+                except Exception as exc:
+                    log.exception("caching the prefix of request %s failed", seq.request_id)
+                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                    continue
+                if chunk.last:
+                    self.scheduler.promote(seq)
+                    token = self.next_tokens(result.logits.unsqueeze(0), [seq])[0]
+                    outputs.append((seq, self._append(seq, token)))
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             try:
@@ -430,3 +438,16 @@ class LLMEngine:
             "config": asdict(self.config),
         }
         return out
+
+
+def _waves(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """Group a step's chunks so that each sequence's chunks run in order: wave k holds every sequence's k-th."""
+    waves: list[list[PrefillChunk]] = []
+    seen: dict[str, int] = {}
+    for chunk in chunks:
+        k = seen.get(chunk.seq.request_id, 0)
+        seen[chunk.seq.request_id] = k + 1
+        if k == len(waves):
+            waves.append([])
+        waves[k].append(chunk)
+    return waves

@@ -1,8 +1,10 @@
 """Turns a scheduled step into model calls.
 
-Prefill: one sequence at a time (`model.step` on its own one-row cache, chunk by chunk; bounded-replay prefill
-passes last_chunk=False on all but the last chunk). Decode: every running sequence together, one token each, on a
-batched cache whose rows may sit at different positions. The batched cache is kept across steps and regrouped only
+Prefill: a step's prompt chunks of equal length are packed into one model call (up to `prefill_batch` rows): their
+one-row caches are joined (`ModelCache.concat`), `model.step` runs every row at its own positions, and the result is
+split back (`select`). Bounded-replay prefill passes last_chunk=False on all but a prompt's last chunk, so a pack
+holds only last or only non-last chunks (and pending replays of one length). Decode: every running sequence
+together, one token each, on a batched cache whose rows may sit at different positions. The batched cache is kept across steps and regrouped only
 when the set of running sequences changes: rows of finished sequences are dropped at once (`remove`), sequences
 that finished their prefill are appended at the next decode. Regrouping copies the bounded per-row state (window
 rings, compressor open group, hash history) and only block tables of the global cache (engine/cache.py).
@@ -16,6 +18,7 @@ chunk gets the rows of the span positions inside it; the spans are DEAD for the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +34,24 @@ from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask
 
 PREFILL_MODES = ("bounded", "exact")
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """Prompt tokens [start, end) of a sequence, to prefill after the `start` tokens its cache holds."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclass
+class ChunkResult:
+    """What a prefilled chunk gave: logits [V] after a prompt's last chunk (else None), or the error that failed
+    the pack it ran in."""
+
+    logits: torch.Tensor | None = None
+    error: Exception | None = None
 
 
 class EngramTier(Protocol):
@@ -55,9 +76,13 @@ class EngramTier(Protocol):
 
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
-                 speculate_k: int = 0, drafts: int = 0, experts: ExpertSource | None = None) -> None:
+                 speculate_k: int = 0, drafts: int = 0, experts: ExpertSource | None = None,
+                 prefill_batch: int = 16) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        if prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
+        self.prefill_batch = prefill_batch  # most prompt chunks packed into one model call
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
         self.memory, self.speculate_k = memory, speculate_k
         self.experts = experts  # routed experts outside the model (memory/experts.py), or None: its own
@@ -66,6 +91,7 @@ class ModelRunner:
         self.batch: ModelCache | None = None
         self.batch_ids: list[str] = []  # request id of each batch row
         self.regroups = 0
+        self.prefill_calls = 0  # model calls that ran prompt chunks (packed or not)
         self._images: dict[str, EncodedImages] = {}  # prefilling requests with images: their encoded spans
 
     # ---- model calls ------------------------------------------------------------------------------------------
@@ -92,23 +118,78 @@ class ModelRunner:
         return self.factory.empty(1)
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
-        """Run prompt tokens [start, end) of seq on its own cache; logits [V] after the last chunk, else None."""
-        if seq.cache is None or seq.num_prefilled != start:
-            raise RuntimeError(f"request {seq.request_id}: prefill chunk [{start}, {end}) does not follow the "
-                               f"{seq.num_prefilled} tokens in its cache")
-        ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
-        last = end == seq.prompt_len
-        encoded = self._encoded(seq)
-        images = None if encoded is None else encoded.window(start, end, self.device)
-        logits, hidden = self._step(ids, seq.cache, self.prefill_mode, last, hidden=bool(self.drafts), images=images)
-        if last:
-            self._images.pop(seq.request_id, None)
-        if hidden is not None:  # the drafter's rings take the positions the target layers ran on
-            self.model.draft_seed(hidden, seq.cache)
-            seq.draft_hidden = hidden.values[:, -1:]
-        seq.num_prefilled = end
-        return None if logits is None else logits[0]
+    def prefill_many(self, tasks: list[ChunkTask]) -> list[ChunkResult]:
+        """Prefill chunks of distinct sequences, packing those that can share a model call; one result per task.
+        A failing call fails the chunks packed into it (their caches are gone) and no others."""
+        seqs = [t.seq for t in tasks]
+        if len({s.request_id for s in seqs}) != len(seqs):
+            raise RuntimeError("prefill_many takes at most one chunk per sequence (chunks of a prompt run in order)")
+        for t in tasks:
+            if t.seq.cache is None or t.seq.num_prefilled != t.start:
+                raise RuntimeError(f"request {t.seq.request_id}: prefill chunk [{t.start}, {t.end}) does not follow "
+                                   f"the {t.seq.num_prefilled} tokens in its cache")
+        packs: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tasks):
+            packs.setdefault(self._pack_key(t), []).append(i)
+        results: list[ChunkResult] = [ChunkResult()] * len(tasks)
+        for members in packs.values():
+            for lo in range(0, len(members), self.prefill_batch):
+                part = members[lo:lo + self.prefill_batch]
+                try:
+                    logits = self._prefill_pack([tasks[i] for i in part])
+                    out = [ChunkResult(logits=row) for row in logits]
+                except Exception as exc:  # reported per request by the engine
+                    out = [ChunkResult(error=exc)] * len(part)
+                for i, r in zip(part, out):
+                    results[i] = r
+        return results
+
+    @staticmethod
+    def _pack_key(task: ChunkTask) -> tuple:
+        """Chunks share a model call when their steps have one shape and one kind of cache state: equal length,
+        all last or all not (bounded replay runs the decoder half on last chunks), pending replays of one length,
+        and an Engram hash history in every cache or in none (the first chunk creates it)."""
+        cache = task.seq.cache
+        replay = 0 if cache.replay is None else cache.replay.positions.shape[1]
+        return task.end - task.start, task.end == task.seq.prompt_len, replay, cache.engram is None
+
+    def _prefill_pack(self, tasks: list[ChunkTask]) -> list[torch.Tensor | None]:
+        """One model call over the tasks' joined caches; each sequence gets its row back as its own cache."""
+        seqs = [t.seq for t in tasks]
+        last = tasks[0].end == seqs[0].prompt_len
+        ids = torch.tensor([s.prompt_ids[t.start:t.end] for s, t in zip(seqs, tasks)], dtype=torch.long,
+                           device=self.device)
+        windows = []
+        for s, t in zip(seqs, tasks):
+            encoded = self._encoded(s)
+            windows.append(None if encoded is None else encoded.window(t.start, t.end, self.device))
+        images = ImageRows.stack(windows, ids.shape[1], self.device)
+        if len(seqs) == 1:
+            batch = seqs[0].cache
+        else:
+            parts = [s.cache for s in seqs]
+            batch = ModelCache.concat(parts)
+            for part in parts:
+                part.release()
+        for s in seqs:
+            s.cache = None  # the call owns the state until it is split back
+        self.prefill_calls += 1
+        try:
+            logits, hidden = self._step(ids, batch, self.prefill_mode, last, hidden=bool(self.drafts),
+                                        images=images)
+            if hidden is not None:  # the drafter's rings take the positions the target layers ran on
+                self.model.draft_seed(hidden, batch)
+            for b, (s, t) in enumerate(zip(seqs, tasks)):
+                s.cache = batch if len(seqs) == 1 else batch.select([b])
+                if hidden is not None:
+                    s.draft_hidden = hidden.values[b:b + 1, -1:]
+                s.num_prefilled = t.end
+                if last:
+                    self._images.pop(s.request_id, None)
+        finally:
+            if len(seqs) > 1 or seqs[0].cache is None:
+                batch.release()
+        return [None if logits is None else logits[b] for b in range(len(seqs))]
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:

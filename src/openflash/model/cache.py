@@ -285,6 +285,22 @@ class ReplayBuffer:
         return ReplayBuffer(self.residual.clone(), self.pre_mix.clone(), self.positions.clone(),
                             self.image_mask.clone())
 
+    def select(self, rows: torch.Tensor) -> "ReplayBuffer":
+        return ReplayBuffer(*(_select(t, rows) for t in (self.residual, self.pre_mix, self.positions,
+                                                         self.image_mask)))
+
+
+def _concat_replay(buffers: list[ReplayBuffer | None]) -> ReplayBuffer | None:
+    """Join pending bounded-replay prefills (packed prefill chunks): all or none, of one length."""
+    if all(b is None for b in buffers):
+        return None
+    lengths = [None if b is None else b.positions.shape[1] for b in buffers]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"caches to batch must hold pending bounded-replay prefills of one length or none, got "
+                         f"{lengths}")
+    return ReplayBuffer(*(torch.cat(parts) for parts in zip(*((b.residual, b.pre_mix, b.positions, b.image_mask)
+                                                               for b in buffers))))
+
 
 def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
     if all(s is None for s in states):
@@ -359,17 +375,14 @@ class ModelCache:
             window=[w.select(rows) for w in self.window],
             compressed={i: c.select(rows) for i, c in self.compressed.items()},
             engram=self.engram.select(rows) if self.engram is not None else None,
-            replay=None if self.replay is None else ReplayBuffer(
-                *(_select(t, rows) for t in (self.replay.residual, self.replay.pre_mix, self.replay.positions,
-                                           self.replay.image_mask))),
+            replay=None if self.replay is None else self.replay.select(rows),
             index_k_publisher=self.index_k_publisher, spare=self.spare, draft=[w.select(rows) for w in self.draft],
         )
 
     @classmethod
     def concat(cls, caches: list["ModelCache"]) -> "ModelCache":
-        """Join caches along the batch (new references to paged blocks: release the parts afterwards)."""
-        if any(c.replay is not None for c in caches):
-            raise ValueError("caches with a pending bounded-replay prefill cannot be batched; finish the prefill")
+        """Join caches along the batch (new references to paged blocks: release the parts afterwards). Pending
+        bounded-replay prefills join only with others of the same length (packed prefill chunks)."""
         first = caches[0]
         if any(c.spare != first.spare for c in caches):
             raise ValueError(f"caches to batch must have the same rollback room, got spare {[c.spare for c in caches]}")
@@ -378,7 +391,7 @@ class ModelCache:
             window=[type(first.window[i]).concat([c.window[i] for c in caches]) for i in range(len(first.window))],
             compressed={i: type(first.compressed[i]).concat([c.compressed[i] for c in caches])
                         for i in first.compressed},
-            engram=_concat_history([c.engram for c in caches]),
+            engram=_concat_history([c.engram for c in caches]), replay=_concat_replay([c.replay for c in caches]),
             index_k_publisher=first.index_k_publisher, spare=first.spare,
             draft=[type(first.draft[i]).concat([c.draft[i] for c in caches]) for i in range(len(first.draft))],
         )

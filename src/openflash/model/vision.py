@@ -45,6 +45,14 @@ class ImageRows:
             raise ValueError(f"ImageRows.values must hold one row per masked position ({n}), got "
                              f"{tuple(self.values.shape)}")
 
+    @classmethod
+    def stack(cls, rows: list["ImageRows | None"], length: int, device: torch.device) -> "ImageRows | None":
+        """One [B, length] step's rows from B one-row steps (None: no image position there); None if none has."""
+        if all(r is None for r in rows):
+            return None
+        masks = [torch.zeros(1, length, dtype=torch.bool, device=device) if r is None else r.mask for r in rows]
+        return cls(torch.cat(masks), torch.cat([r.values for r in rows if r is not None]))
+
 
 def _compute_dtype(module: NumericsMixin) -> torch.dtype:
     return torch.bfloat16 if module.numerics.bf16_boundaries else torch.float32
