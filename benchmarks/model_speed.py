@@ -1,11 +1,14 @@
 """Model speed on this machine: prefill tokens/s and decode ms/token (batch 1), against measured rooflines.
 
-    python benchmarks/model_speed.py [--presets tiny small] [--prompt 512] [--decode 64]
+    python benchmarks/model_speed.py [--presets tiny small] [--checkpoint DIR ...] [--backends eager compiled]
+                                     [--prompt 512] [--decode 64]
 
 Rooflines are measured by the script itself: fp32 matmul peak (a large square matmul) and memory bandwidth (a large
 tensor copy, read + write). Decode at batch 1 reads every active weight once per token: its roofline time is
 active-weight bytes / bandwidth. Prefill is compute-bound: model FLOPs = 2 x active params per token + attention.
-Writes benchmarks/results/model_speed.json.
+Backends: `eager` (the reference implementation) and `compiled` (model/compiled.py), measured in turn in one process,
+the best of `--rounds` each; the first warm-up of the compiled backend includes its compilation (less where
+inductor's on-disk cache already holds the kernels). Writes benchmarks/results/model_speed.json.
 """
 
 from __future__ import annotations
@@ -17,12 +20,9 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import build_model
-from openflash.config import load_config
-from openflash.memory.placement import EngramMemory
+from openflash.checkpoint import open_model
 from openflash.model.numerics import FP32
 from openflash.plan import build_plan
-from openflash.tokenizer import preset_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -61,57 +61,87 @@ def attention_flops_per_token(cfg, context: int) -> float:
 
 
 @torch.no_grad()
-def bench(preset: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float) -> dict:
-    cfg = load_config(preset)
-    torch.manual_seed(0)
-    model = build_model(cfg, FP32).eval()
-    memory = EngramMemory.attach(model, "device", tokenizer=preset_tokenizer(cfg))
-    plan = build_plan(preset)
-    ids = torch.randint(3, cfg.vocab_size, (1, prompt_len))
-    warm = model.new_cache(1)
-    model.step(ids[:, :32], warm, engram=memory.prepare(ids[:, :32], warm))  # warm-up (allocations)
+def measure(model, memory, ids: torch.Tensor, decode_steps: int) -> tuple[float, float, float]:
+    """(warm-up s: allocations, and compilation on the compiled backend; prefill s; decode s per token)."""
+    start = time.perf_counter()
+    for length in (32, ids.shape[1]):  # both shapes the timed calls use (a compiled kernel specialises on them)
+        warm = model.new_cache(1)
+        logits = model.step(ids[:, :length], warm, engram=memory.prepare(ids[:, :length], warm))
+        token = logits.argmax(-1)
+        for _ in range(3):
+            token = model.decode(token, warm, engram=memory.prepare(token.view(-1, 1), warm)).argmax(-1)
+    warm_s = time.perf_counter() - start
     cache = model.new_cache(1)
     start = time.perf_counter()
     logits = model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))
     prefill_s = time.perf_counter() - start
     token = logits.argmax(-1)
-    for _ in range(3):
-        scratch = cache.select([0])
-        model.decode(token, scratch, engram=memory.prepare(token.view(-1, 1), scratch))
     start = time.perf_counter()
     for _ in range(decode_steps):  # a decode step includes its hashing (the engine's cost too)
         token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
-    decode_s = (time.perf_counter() - start) / decode_steps
+    return warm_s, prefill_s, (time.perf_counter() - start) / decode_steps
+
+
+def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float, backends: list[str],
+          rounds: int) -> list[dict]:
+    """One model (a preset with random weights, or a checkpoint folder), every backend `rounds` times in turn;
+    the best round of each is reported (the machine is shared: the minimum is the least disturbed)."""
+    loaded = open_model(name)
+    model, cfg = loaded.model, loaded.model.cfg
+    memory = loaded.memory("device")
+    plan = build_plan(name)
+    ids = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    runs: dict[str, list[tuple[float, float, float]]] = {b: [] for b in backends}
+    for _ in range(rounds):
+        for backend in backends:
+            model.set_numerics(FP32.with_compile(backend == "compiled"))
+            runs[backend].append(measure(model, memory, ids, decode_steps))
     # fp32 weights in memory: 4 bytes per active parameter, plus the KV entries one token reads
     decode_bytes = 4 * plan.active_decode_token
     prefill_flops = prompt_len * (2 * plan.active_decode_token + attention_flops_per_token(cfg, prompt_len))
-    return {
-        "preset": preset, "prompt_tokens": prompt_len, "decode_steps": decode_steps,
-        "prefill_tokens_per_s": prompt_len / prefill_s,
-        "decode_ms_per_token": 1000 * decode_s,
-        "decode_bandwidth_fraction": decode_bytes / decode_s / bandwidth,
-        "prefill_matmul_peak_fraction": prefill_flops / prefill_s / peak,
-        "active_params_per_decode_token": plan.active_decode_token,
-    }
+    rows = []
+    for backend, results in runs.items():
+        prefill_s = min(r[1] for r in results)
+        decode_s = min(r[2] for r in results)
+        rows.append({
+            "model": name, "backend": backend, "prompt_tokens": prompt_len, "decode_steps": decode_steps,
+            "first_warmup_s": results[0][0],
+            "prefill_tokens_per_s": prompt_len / prefill_s,
+            "decode_ms_per_token": 1000 * decode_s,
+            "decode_bandwidth_fraction": decode_bytes / decode_s / bandwidth,
+            "prefill_matmul_peak_fraction": prefill_flops / prefill_s / peak,
+            "active_params_per_decode_token": plan.active_decode_token,
+        })
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--presets", nargs="*", default=["tiny", "small"])
+    parser.add_argument("--checkpoint", nargs="*", default=[], metavar="DIR",
+                        help="official-layout checkpoints (e.g. tests/goldens/A2, a `checkpoint synth` output)")
+    parser.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per backend (best one reported)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--out", default=str(RESULTS / "model_speed.json"))
     args = parser.parse_args()
     peak, bandwidth = matmul_peak(), memory_bandwidth()
     print(f"machine: {torch.get_num_threads()} threads, fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
-    rows = [bench(p, args.prompt, args.decode, peak, bandwidth) for p in args.presets]
-    print(f"{'preset':<8}{'prefill tok/s':>15}{'of peak':>10}{'decode ms/tok':>15}{'of bandwidth':>14}")
+    rows = [r for name in args.presets + args.checkpoint
+            for r in bench(name, args.prompt, args.decode, peak, bandwidth, args.backends, args.rounds)]
+    print(f"{'model':<22}{'backend':>9}{'warm-up s':>10}{'prefill tok/s':>15}{'of peak':>9}{'decode ms/tok':>15}"
+          f"{'of bandwidth':>14}")
     for r in rows:
-        print(f"{r['preset']:<8}{r['prefill_tokens_per_s']:>15,.0f}{r['prefill_matmul_peak_fraction']:>10.1%}"
-              f"{r['decode_ms_per_token']:>15.2f}{r['decode_bandwidth_fraction']:>14.1%}")
-    RESULTS.mkdir(exist_ok=True)
-    out = {"matmul_peak_flops": peak, "memory_bandwidth_bytes_per_s": bandwidth, "results": rows}
-    (RESULTS / "model_speed.json").write_text(json.dumps(out, indent=1))
+        print(f"{r['model']:<22}{r['backend']:>9}{r['first_warmup_s']:>10.1f}{r['prefill_tokens_per_s']:>15,.0f}"
+              f"{r['prefill_matmul_peak_fraction']:>9.1%}{r['decode_ms_per_token']:>15.2f}"
+              f"{r['decode_bandwidth_fraction']:>14.1%}")
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"matmul_peak_flops": peak, "memory_bandwidth_bytes_per_s": bandwidth,
+                               "threads": torch.get_num_threads(), "results": rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -150,9 +150,20 @@ def checkpoint_folder(path: str | Path) -> Path:
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
                expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None) -> LoadedModel:
+               expert_group: Any = None, compile: bool = False) -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
-    tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint)."""
+    tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
+    numerics on the compiled backend (model/compiled.py)."""
+    loaded = _open_model(spec, tokenizer, numerics, device, verify, weights, expert_placement, expert_cache_bytes,
+                         skip_engram_tables, expert_group)
+    if compile:
+        loaded.model.set_numerics(loaded.model.numerics.with_compile())
+    return loaded
+
+
+def _open_model(spec: str, tokenizer: str | None, numerics: str, device: str, verify: bool, weights: str,
+                expert_placement: str, expert_cache_bytes: int, skip_engram_tables: bool,
+                expert_group: Any) -> LoadedModel:
     if expert_placement not in EXPERT_PLACEMENTS:
         raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
     if spec in PRESETS:

@@ -33,6 +33,13 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _compile_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="run the compiled backend: the kernels' elementwise chains fused by torch.compile, same "
+                             "numerics (needs a C++ compiler on CPU; the first call of each kernel compiles, cached "
+                             "on disk by inductor; speed-ups in docs/benchmarks.md)")
+
+
 def _expert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", default=None, metavar="plan.json",
                         help="run with the placement `openflash plan --memory ... --out plan.json` wrote (weights, "
@@ -204,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    _compile_flag(gen)
     _expert_flags(gen)
     gen.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                      help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
@@ -221,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     serve.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    _compile_flag(serve)
     _expert_flags(serve)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")

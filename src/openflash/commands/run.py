@@ -43,7 +43,7 @@ def generate(args: Any) -> int:
     loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
-                        expert_group=group)
+                        expert_group=group, compile=args.compile)
     if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
         import contextlib
         import io
@@ -86,7 +86,8 @@ def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
     print(f"# {loaded.note}")
     print(args.prompt + result.text)
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
-          f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s")
+          f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s"
+          + (" (compiled backend: first calls include compilation)" if args.compile else ""))
     if loaded.experts is not None:
         s = loaded.experts.summary()
         print(f"# experts ({s['placement']}): {s['hits']} cache hits, {s['misses']} misses, {s['bytes_read']:,} bytes "
@@ -181,7 +182,7 @@ def serve(args: Any) -> int:
         args.engram_table_dir is not None or (Path(args.model) / "engram_tables").is_dir())
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        skip_engram_tables=tables_on_disk)
+                        skip_engram_tables=tables_on_disk, compile=args.compile)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)

@@ -20,6 +20,7 @@ from torch import nn
 
 from openflash.config import FlashConfig, LayerMode, LayerTopology
 from openflash.model.cache import CompressedCache
+from openflash.model.compiled import compiled
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
@@ -372,8 +373,11 @@ class AttentionKernels:
             selected_mask = picks >= 0
             rows = torch.arange(B, device=q.device).view(B, 1, 1)
             selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
-        return sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, attn.attn_sink.float(),
-                                attn.scale, attn.numerics.round)
+        return self.sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, attn.attn_sink.float(),
+                                     attn.scale, attn.numerics.round)
+
+    def sparse_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_attention(*args)
 
     def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bsgd,grd->bsgr", o, wo_a)
@@ -413,11 +417,20 @@ class TrainAttentionKernels(AttentionKernels):
         return dense_sparse_attention(q, kv, attn.window, compressed_kv, picks, attn.attn_sink.float(), attn.scale)
 
 
+class CompiledAttentionKernels(AttentionKernels):
+    """The softmax over [sink | window | selected] through torch.compile (model/compiled.py)."""
+
+    def sparse_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        return compiled(sparse_attention)(*args)
+
+
 @lru_cache(maxsize=None)
 def attention_kernels(numerics: Numerics) -> AttentionKernels:
     if numerics.bf16_boundaries:
         return ReferenceAttentionKernels()
-    return TrainAttentionKernels() if numerics.fused_train_ops else AttentionKernels()
+    if numerics.fused_train_ops:
+        return TrainAttentionKernels()
+    return CompiledAttentionKernels() if numerics.compiled else AttentionKernels()
 
 
 def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:

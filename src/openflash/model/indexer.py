@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash.config import FlashConfig, LayerMode, LayerTopology
+from openflash.model.compiled import compiled
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.numerics import Numerics
@@ -77,8 +78,7 @@ class IndexKernels:
 
     def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """q [B, S, H, D], index keys [B, T, D], head weights [B, S, H] -> scores [B, S, T]."""
-        logits = torch.einsum("bshd,btd->bsht", q, index_k.to(q.dtype))
-        return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
+        return index_scores(q, index_k, w)
 
     def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
         return top_entries(scores, k, n_visible)
@@ -106,11 +106,26 @@ class TrainIndexKernels(IndexKernels):
         return top_entries_select(scores, k, n_visible)
 
 
+def index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum over heads of w * ReLU(q . k) (§5.8 step 4)."""
+    logits = torch.einsum("bshd,btd->bsht", q, index_k.to(q.dtype))
+    return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
+
+
+class CompiledIndexKernels(IndexKernels):
+    """The score's ReLU, weighting and head sum fused by torch.compile (model/compiled.py)."""
+
+    def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return compiled(index_scores)(q, index_k, w)
+
+
 @lru_cache(maxsize=None)
 def index_kernels(numerics: Numerics) -> IndexKernels:
     if numerics.bf16_boundaries:
         return ReferenceIndexKernels()
-    return TrainIndexKernels() if numerics.fused_train_ops else IndexKernels()
+    if numerics.fused_train_ops:
+        return TrainIndexKernels()
+    return CompiledIndexKernels() if numerics.compiled else IndexKernels()
 
 
 class Indexer(nn.Module, NumericsMixin):

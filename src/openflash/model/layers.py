@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash import formats
+from openflash.model.compiled import rowwise
 from openflash.model.numerics import FP32, Numerics
 
 
@@ -168,14 +169,32 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.quantized and layer.numerics.act_quant:
-            x = formats.act_quant_qdq(x)
+        act_quant = layer.quantized and layer.numerics.act_quant
         if layer.fp32_resident:
-            w = layer.dequantized_weight()
-            y = F.linear(x.to(w.dtype), w)
+            y = self.resident_linear(x, layer.dequantized_weight(), act_quant)
         else:
-            y = _tiled_linear(layer, x)
+            y = _tiled_linear(layer, formats.act_quant_qdq(x) if act_quant else x)
         return y if layer.exact_fp32 else layer.numerics.round(y)
+
+    def resident_linear(self, x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
+        return resident_linear(x, w, act_quant)
+
+
+def resident_linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
+    """x W^T on a resident (fp32) weight, x FP8-QDQ'd first where the weight is quantized and the policy says so."""
+    if act_quant:
+        x = formats.act_quant_qdq(x)
+    return F.linear(x.to(w.dtype), w)
+
+
+class CompiledLayerKernels(LayerKernels):
+    """The activation QDQ through torch.compile (model/compiled.py): its dozen ops fuse into one loop. The GEMM
+    stays outside: a compiled graph specialises on each weight's shape, and a GEMM gains nothing from fusion."""
+
+    def resident_linear(self, x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
+        if act_quant:
+            x = rowwise(formats.act_quant_qdq, x)
+        return F.linear(x.to(w.dtype), w)
 
 
 def _tiled_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -212,4 +231,6 @@ class TrainLayerKernels(LayerKernels):
 def layer_kernels(numerics: Numerics) -> LayerKernels:
     if numerics.bf16_boundaries:
         return ReferenceLayerKernels()
-    return TrainLayerKernels() if numerics.fused_train_ops else LayerKernels()
+    if numerics.fused_train_ops:
+        return TrainLayerKernels()
+    return CompiledLayerKernels() if numerics.compiled else LayerKernels()

@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from openflash.model.compiled import compiled
 from openflash.model.numerics import Numerics
 
 _RMS_EPS = 1e-20  # of the per-token RMS over all hc*D residual values
@@ -123,12 +124,28 @@ class TrainHcKernels(HcKernels):
         return HcOut.apply(y, residual, post, comb)
 
 
+class CompiledHcKernels(HcKernels):
+    """The same functions fused by torch.compile (model/compiled.py): Sinkhorn's 20 iterations become one loop."""
+
+    def read(self, residual: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return compiled(hc_projection)(residual, fn), compiled(collapse)(residual, pre, self.numerics)
+
+    def coefficients(self, m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return compiled(coefficients_from_projection)(m, base, scale, hc, iters, eps)
+
+    def write(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return compiled(expand_and_mix)(y, residual, post, comb, self.numerics)
+
+
 @lru_cache(maxsize=None)
 def hc_kernels(numerics: Numerics) -> HcKernels:
     """The mHC kernels of a numerics policy (one object per policy)."""
     if numerics.bf16_boundaries:
         return ReferenceHcKernels(numerics)
-    return TrainHcKernels(numerics) if numerics.fused_train_ops else HcKernels(numerics)
+    if numerics.fused_train_ops:
+        return TrainHcKernels(numerics)
+    return CompiledHcKernels(numerics) if numerics.compiled else HcKernels(numerics)
 
 
 # ---- fused training path -------------------------------------------------------------------------------------

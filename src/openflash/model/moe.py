@@ -9,7 +9,7 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 
 from openflash import formats
 from openflash.config import FlashConfig
+from openflash.model.compiled import compiled
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
@@ -179,7 +180,8 @@ class MoE(nn.Module, NumericsMixin):
         return self.numerics.round(y)
 
     def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor, experts: Mapping[int, "Expert"]) -> torch.Tensor:
+                        counts: torch.Tensor, experts: Mapping[int, "Expert"],
+                        swiglu: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Inference, same math as `_routed_grouped`: the (token, slot) pairs padded per selected expert into
         [U, C, dim] and run through the U experts' stacked weights in three batched matmuls, with the quantization
         and rounding points of `Expert.swiglu`; no Python call per expert beyond stacking its cached weights."""
@@ -202,13 +204,7 @@ class MoE(nn.Module, NumericsMixin):
         w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in chosen])
                       for name in ("w1", "w3", "w2"))
         first = chosen[0]
-        quantized = first.w1.quantized and n.act_quant
-        xin = formats.act_quant_qdq(pad_x) if quantized else pad_x
-        gate = n.round(torch.bmm(xin.to(w1.dtype), w1.transpose(1, 2))).float().clamp(max=first.limit)
-        up = n.round(torch.bmm(xin.to(w3.dtype), w3.transpose(1, 2))).float().clamp(-first.limit, first.limit)
-        act = n.round(pad_w.unsqueeze(-1) * (F.silu(gate) * up))
-        act = formats.act_quant_qdq(act) if quantized else act
-        out = n.round(torch.bmm(act.to(w2.dtype), w2.transpose(1, 2))).float()
+        out = (swiglu or batched_swiglu)(pad_x, pad_w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
         pairs = torch.empty(N * k, x.shape[-1], dtype=torch.float32, device=x.device)
         pairs[order] = out[row, rank]
         y = pairs.view(N, k, -1).sum(1) + self.shared_experts(x).float()
@@ -228,6 +224,18 @@ class MoE(nn.Module, NumericsMixin):
                 if sizes[e]]
         y = self.shared_experts(x).float().index_add(0, token, torch.cat(outs).float())
         return self.numerics.round(y)
+
+
+def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   limit: float, act_quant: bool, n: Numerics) -> torch.Tensor:
+    """`Expert.swiglu` over U experts at once: x [U, C, dim] (C padded rows each), routing weights [U, C], stacked
+    weights [U, out, in]; the same quantization and rounding points."""
+    xin = formats.act_quant_qdq(x) if act_quant else x
+    gate = n.round(torch.bmm(xin.to(w1.dtype), w1.transpose(1, 2))).float().clamp(max=limit)
+    up = n.round(torch.bmm(xin.to(w3.dtype), w3.transpose(1, 2))).float().clamp(-limit, limit)
+    act = n.round(weight.unsqueeze(-1) * (F.silu(gate) * up))
+    act = formats.act_quant_qdq(act) if act_quant else act
+    return n.round(torch.bmm(act.to(w2.dtype), w2.transpose(1, 2))).float()
 
 
 # ---- the kernels of each numerics policy (chosen once: moe_kernels) ---------------------------------------------
@@ -258,6 +266,17 @@ class BatchedMoeKernels(MoeKernels):
         return moe._routed_grouped(x, weights, ids, counts, experts)
 
 
+class CompiledMoeKernels(BatchedMoeKernels):
+    """The batched SwiGLU (QDQ, clamps, SiLU, routing weight) fused by torch.compile (model/compiled.py); the
+    dispatch around it has data-dependent shapes and stays eager."""
+
+    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
+        if ids.numel() <= self.BATCHED_PAIRS and moe.experts[0].w1.fp32_resident:
+            return moe._routed_batched(x, weights, ids, counts, experts, compiled(batched_swiglu))
+        return moe._routed_grouped(x, weights, ids, counts, experts)
+
+
 class TrainMoeKernels(MoeKernels):
     """Training, same math: one matmul for both input projections of a float expert (twice as wide: better use
     of the GEMM on few tokens) with a fused SwiGLU backward; routed pairs sorted by expert."""
@@ -277,4 +296,6 @@ class TrainMoeKernels(MoeKernels):
 def moe_kernels(numerics: Numerics) -> MoeKernels:
     if numerics.fused_train_ops:
         return TrainMoeKernels()
-    return BatchedMoeKernels() if numerics.batched_experts else MoeKernels()
+    if not numerics.batched_experts:
+        return MoeKernels()
+    return CompiledMoeKernels() if numerics.compiled else BatchedMoeKernels()

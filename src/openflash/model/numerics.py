@@ -19,11 +19,13 @@ compiled backend can slot in as one more kernel set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from openflash import formats
+from openflash.errors import OpenflashError
+from openflash.model.compiled import rowwise
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,15 @@ class Numerics:
     # Inference: the routed experts of a decode-sized step in batched matmuls over the selected experts instead of
     # one call per expert (model/moe.py); summation order differs in the last bits, so `reference` keeps the loop.
     batched_experts: bool = True
+    # The compiled backend (model/compiled.py): the same math, its elementwise chains fused by torch.compile.
+    compiled: bool = False
+
+    def with_compile(self, on: bool = True) -> "Numerics":
+        """This policy on the compiled backend (or back on the eager one)."""
+        if on and (self.bf16_boundaries or self.straight_through):
+            raise OpenflashError(f"the compiled backend serves the fp32 and plain inference numerics, not "
+                                 f"{self.name!r}")
+        return replace(self, compiled=on)
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """Round to bf16 where the reference holds a bf16 tensor (no-op outside `reference`)."""
@@ -55,7 +66,7 @@ class Numerics:
             return x
         if self.straight_through:
             return formats.ste(x, fn)
-        return fn(x)
+        return rowwise(fn, x) if self.compiled else fn(x)
 
     def window_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Sliding-window KV: FP8 E4M3 with a UE8M0 scale per 32 channels (architecture.md §5.3)."""

@@ -1,0 +1,44 @@
+"""The compiled backend: the eager kernels' pure, shape-stable functions through torch.compile (inductor).
+
+A decode step of the eager path is hundreds of tiny ops per layer (20 Sinkhorn iterations per sublayer, the FP8 /
+FP4 quantize-dequantize of activations and caches, RoPE, the indexer's score); on a CPU each costs microseconds of
+dispatch while its arithmetic costs nanoseconds. Inductor fuses each of those chains into one generated C++ loop
+(Triton on CUDA). What is compiled is exactly the eager function, so the numerics are the same: the same
+quantization points, the same rounding; only the summation order inside a fused reduction can differ in the last
+bits (tests compare the two paths with a tolerance).
+
+What stays eager: everything with data-dependent shapes (cache writes, the compressor's completed groups, the
+router's dispatch, top-k over a growing cache), which would break a graph anyway.
+
+Shapes: `dynamic=None` lets a function specialise on its first shapes and turn a dimension symbolic the first
+time it changes (batch size, chunk length, cache length), so a server compiles each function about twice. The
+compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, by default under /tmp), so the next
+process loads it instead of compiling.
+
+A policy runs compiled when its `Numerics.compiled` is set (`Numerics.with_compile`); the kernel sets of each
+mechanism pick the compiled functions from it (mhc.py, layers.py, attention.py, indexer.py, moe.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+@lru_cache(maxsize=None)
+def compiled(fn: F) -> F:
+    """fn through torch.compile, one compiled wrapper per function (compiled lazily, at its first call)."""
+    return torch.compile(fn, dynamic=None)  # type: ignore[return-value]
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """compiled(fn) on x seen as [rows, last dim], for a fn that works on each row alone (the block QDQs): one
+    graph serves every rank and leading shape, instead of one per shape."""
+    return compiled(fn)(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+__all__ = ["compiled", "rowwise"]

@@ -1,0 +1,69 @@
+"""The compiled backend (model/compiled.py) against the eager reference implementation it compiles.
+
+Same numerics, fused: logits agree to fp32 rounding (a fused reduction may sum in another order, so never bitwise),
+greedy tokens agree under the plain numerics (no QDQ whose rounding could flip on a last-bit difference), and the
+engine runs on it. The compiled kernels are built once per test module (inductor's cache keeps them on disk).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openflash.checkpoint import open_model
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.generate import generate
+from openflash.engine.sampling import SamplingParams
+from openflash.errors import OpenflashError
+from openflash.model.numerics import FP32, NUMERICS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = open_model("tiny")
+    return loaded.model, loaded.tokenizer, loaded.memory()
+
+
+def _logits(model, memory, ids: torch.Tensor, decode_steps: int) -> torch.Tensor:
+    cache = model.new_cache(1)
+    out = [model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))]
+    for _ in range(decode_steps):
+        token = out[-1].argmax(-1)
+        out.append(model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)))
+    return torch.stack(out)
+
+
+def test_compiled_logits_match_eager_through_prefill_and_decode(tiny):
+    model, _, memory = tiny
+    ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(1))
+    try:
+        eager = _logits(model, memory, ids, 20)  # past a compressed group boundary and the window
+        model.set_numerics(FP32.with_compile())
+        fused = _logits(model, memory, ids, 20)
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    finally:
+        model.set_numerics(FP32)
+
+
+def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(tiny):
+    model, tok, _ = tiny
+    plain = NUMERICS["plain"]
+    prompts = [[5 + i] * n for i, n in enumerate((7, 19, 19, 33))]
+    params = SamplingParams(max_tokens=6)
+    try:
+        model.set_numerics(plain)
+        want = [generate(model, tok, p, params).token_ids for p in prompts]
+        model.set_numerics(plain.with_compile())
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+        assert [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)] == want
+    finally:
+        model.set_numerics(FP32)
+
+
+def test_the_compiled_backend_refuses_reference_and_training_numerics():
+    for name in ("reference", "train"):
+        with pytest.raises(OpenflashError, match=f"compiled backend serves the fp32 and plain.*'{name}'"):
+            NUMERICS[name].with_compile()
+    assert not FP32.with_compile().with_compile(False).compiled
