@@ -82,8 +82,20 @@ def measure(model, memory, ids: torch.Tensor, decode_steps: int) -> tuple[float,
     return warm_s, prefill_s, (time.perf_counter() - start) / decode_steps
 
 
+@torch.no_grad()
+def profile_decode(model, memory, ids: torch.Tensor, steps: int, rows: int = 15) -> str:
+    cache = model.new_cache(1)
+    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1)
+    for _ in range(3):
+        token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float, backends: list[str],
-          rounds: int) -> list[dict]:
+          rounds: int, profile: bool = False) -> list[dict]:
     """One model (a preset with random weights, or a checkpoint folder), every backend `rounds` times in turn;
     the best round of each is reported (the machine is shared: the minimum is the least disturbed)."""
     loaded = open_model(name)
@@ -100,6 +112,11 @@ def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth:
     decode_bytes = 4 * plan.active_decode_token
     prefill_flops = prompt_len * (2 * plan.active_decode_token + attention_flops_per_token(cfg, prompt_len))
     rows = []
+    if profile:
+        for backend in backends:
+            model.set_numerics(FP32.with_compile(backend == "compiled"))
+            print(f"== {name}, {backend}: top ops of 10 decode steps (torch.profiler, self CPU time)")
+            print(profile_decode(model, memory, ids[:, :64], 10))
     for backend, results in runs.items():
         prefill_s = min(r[1] for r in results)
         decode_s = min(r[2] for r in results)
@@ -124,13 +141,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per backend (best one reported)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--profile", action="store_true", help="print the top ops of 10 decode steps per backend")
     parser.add_argument("--out", default=str(RESULTS / "model_speed.json"))
     args = parser.parse_args()
     peak, bandwidth = matmul_peak(), memory_bandwidth()
     print(f"machine: {torch.get_num_threads()} threads, fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = [r for name in args.presets + args.checkpoint
-            for r in bench(name, args.prompt, args.decode, peak, bandwidth, args.backends, args.rounds)]
+            for r in bench(name, args.prompt, args.decode, peak, bandwidth, args.backends, args.rounds,
+                           args.profile)]
     print(f"{'model':<22}{'backend':>9}{'warm-up s':>10}{'prefill tok/s':>15}{'of peak':>9}{'decode ms/tok':>15}"
           f"{'of bandwidth':>14}")
     for r in rows:
