@@ -314,8 +314,8 @@ def main() -> None:
     rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
     rows += [("http", x) for x in results.get("http_tiny", [])]
     for name, x in rows:
-        print(f"{name:6s} {x['clients']:7d} {x.get('prefill_batch', '-'):>4} {x['requests']:4d} {x['tokens_per_s']:8.1f} "
-              f"{fmt(x['ttft_p50_s']):>9s} "
+        print(f"{name:6s} {x['clients']:7d} {x.get('prefill_batch', '-'):>4} {x['requests']:4d} "
+              f"{x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
               f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
     for p, r in results["presets"].items():
         if "shared_prefix" not in r:

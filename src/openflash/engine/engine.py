@@ -6,9 +6,9 @@
         engine.step()                      # or engine.start() for a background thread (the server)
 
 One `step()`: take new requests and cancellations, let the scheduler pick prompt chunks and the decode set, prefill
-the chunks (those of equal length packed into one model call), decode every running sequence in one batched call, sample (each request with its
-own generator, so batch composition never changes a result), apply stop conditions, free finished sequences at
-once, and hand each request its `RequestOutput`.
+the chunks (those of equal length packed into one model call), decode every running sequence in one batched call,
+sample (each request with its own generator, so batch composition never changes a result), apply stop conditions,
+free finished sequences at once, and hand each request its `RequestOutput`.
 
 add_request / abort are thread-safe; everything else runs on the thread that calls step() (the engine thread).
 """

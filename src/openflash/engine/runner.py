@@ -4,10 +4,11 @@ Prefill: a step's prompt chunks of equal length are packed into one model call (
 one-row caches are joined (`ModelCache.concat`), `model.step` runs every row at its own positions, and the result is
 split back (`select`). Bounded-replay prefill passes last_chunk=False on all but a prompt's last chunk, so a pack
 holds only last or only non-last chunks (and pending replays of one length). Decode: every running sequence
-together, one token each, on a batched cache whose rows may sit at different positions. The batched cache is kept across steps and regrouped only
-when the set of running sequences changes: rows of finished sequences are dropped at once (`remove`), sequences
-that finished their prefill are appended at the next decode. Regrouping copies the bounded per-row state (window
-rings, compressor open group, hash history) and only block tables of the global cache (engine/cache.py).
+together, one token each, on a batched cache whose rows may sit at different positions. The batched cache is kept
+across steps and regrouped only when the set of running sequences changes: rows of finished sequences are dropped at
+once (`remove`), sequences that finished their prefill are appended at the next decode. Regrouping copies the
+bounded per-row state (window rings, compressor open group, hash history) and only block tables of the global cache
+(engine/cache.py).
 
 Engram: the memory (any tier, `device` by default) hashes each chunk or decode step's token ids before the model
 runs, which starts fetching the rows, and the rows are handed down to the model's step (memory/placement.py).
@@ -121,17 +122,20 @@ class ModelRunner:
     def prefill_many(self, tasks: list[ChunkTask]) -> list[ChunkResult]:
         """Prefill chunks of distinct sequences, packing those that can share a model call; one result per task.
         A failing call fails the chunks packed into it (their caches are gone) and no others."""
-        seqs = [t.seq for t in tasks]
-        if len({s.request_id for s in seqs}) != len(seqs):
-            raise RuntimeError("prefill_many takes at most one chunk per sequence (chunks of a prompt run in order)")
-        for t in tasks:
-            if t.seq.cache is None or t.seq.num_prefilled != t.start:
-                raise RuntimeError(f"request {t.seq.request_id}: prefill chunk [{t.start}, {t.end}) does not follow "
-                                   f"the {t.seq.num_prefilled} tokens in its cache")
-        packs: dict[tuple, list[int]] = {}
-        for i, t in enumerate(tasks):
-            packs.setdefault(self._pack_key(t), []).append(i)
         results: list[ChunkResult] = [ChunkResult()] * len(tasks)
+        packs: dict[tuple, list[int]] = {}
+        seen: set[str] = set()
+        for i, t in enumerate(tasks):
+            if t.seq.request_id in seen:  # chunks of one prompt run in order, one per call
+                results[i] = ChunkResult(error=RuntimeError(f"request {t.seq.request_id}: two chunks in one "
+                                                            f"prefill_many call"))
+            elif t.seq.cache is None or t.seq.num_prefilled != t.start:
+                results[i] = ChunkResult(error=RuntimeError(
+                    f"request {t.seq.request_id}: prefill chunk [{t.start}, {t.end}) does not follow the "
+                    f"{t.seq.num_prefilled} tokens in its cache"))
+            else:
+                packs.setdefault(self._pack_key(t), []).append(i)
+            seen.add(t.seq.request_id)
         for members in packs.values():
             for lo in range(0, len(members), self.prefill_batch):
                 part = members[lo:lo + self.prefill_batch]
