@@ -9,6 +9,7 @@ from conftest import WithEngram
 
 from openflash.config import LayerMode, load_config
 from openflash.model.cache import ModelCache
+from openflash.model.moe import batched_swiglu
 from openflash.model.numerics import FP32, PLAIN, TRAIN
 from openflash.model.transformer import Transformer
 
@@ -181,5 +182,5 @@ def test_batched_experts_match_the_per_expert_loop(storage):
             counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
             own = {e: moe.experts[e] for e in range(len(moe.experts))}
             looped = moe._routed_grouped(x, weights, ids, counts, own)
-            batched = moe._routed_batched(x, weights, ids, counts, own)
+            batched = moe._routed_batched(x, weights, ids, counts, own, batched_swiglu)
             torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)

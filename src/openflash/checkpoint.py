@@ -3,9 +3,10 @@
 Tensor names are the reference module names (`layers.3.attn.wq_b.weight`, `.scale`, `layers.1.engram.embed.weight`,
 ...), which are also this package's module names, so loading is 1:1. What changes on load is only the dtype:
 quantized tensors (FP8 E4M3 + UE8M0 block scales, packed FP4 experts as I8, FP8 Engram rows) stay quantized;
-bf16/f32 tensors become fp32 parameters; `attn.wo_a` is dequantized once (the reference's convert step).
-A folder holds `config.json` and either `model.safetensors` or shards with `model.safetensors.index.json`;
-tensors are read straight from the memory-mapped files, once.
+bf16/f32 tensors become fp32 parameters (bf16 matrices stay bf16 under `weights="stored"`); `attn.wo_a` is
+dequantized once (the reference's convert step). A folder holds `config.json` and either `model.safetensors` or
+shards with `model.safetensors.index.json`; each tensor is read once, by positioned reads at the offsets its
+safetensors header gives (shards.py; no file is mapped).
 
 Loading checks every name, shape and dtype and reports all problems at once. The vision tower (`vision.*`,
 `aligner.*`, `image_start` / `image_end` / `image_newline`) loads like the rest, bf16 promoted to fp32.
@@ -154,16 +155,9 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
     numerics on the compiled backend (model/compiled.py)."""
-    loaded = _open_model(spec, tokenizer, numerics, device, verify, weights, expert_placement, expert_cache_bytes,
-                         skip_engram_tables, expert_group)
-    if compile:
-        loaded.model.set_numerics(loaded.model.numerics.with_compile())
-    return loaded
-
-
-def _open_model(spec: str, tokenizer: str | None, numerics: str, device: str, verify: bool, weights: str,
-                expert_placement: str, expert_cache_bytes: int, skip_engram_tables: bool,
-                expert_group: Any) -> LoadedModel:
+    if numerics not in NUMERICS:
+        raise CheckpointError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
+    policy = NUMERICS[numerics].with_compile(compile)
     if expert_placement not in EXPERT_PLACEMENTS:
         raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
     if spec in PRESETS:
@@ -173,10 +167,10 @@ def _open_model(spec: str, tokenizer: str | None, numerics: str, device: str, ve
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
-        return LoadedModel(build_model(cfg, numerics, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
+        return LoadedModel(build_model(cfg, policy, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
                            f"preset '{spec}' with random weights (outputs are noise)")
     offload = expert_placement != "device"
-    model, report = load_checkpoint(spec, device=device, numerics=numerics, tokenizer_path=tokenizer, verify=verify,
+    model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
                                     weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
     store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
                         device, group=expert_group) if offload else None

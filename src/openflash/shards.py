@@ -1,4 +1,5 @@
-"""The safetensors shard index (`model.safetensors.index.json`): its `weight_map`, read once and checked.
+"""Where a checkpoint's tensors are: the shard index (`model.safetensors.index.json`, its `weight_map` read once and
+checked), each tensor's location from the safetensors headers, and positioned reads of those bytes (`ShardReader`).
 
 A shard name comes from a file anyone may have written, so it must name a file inside the checkpoint folder: an
 absolute path, a `..` step or a link that leads elsewhere is refused, never opened (checkpoint.md §1).

@@ -168,11 +168,9 @@ class ModelRunner:
             encoded = self._encoded(s)
             windows.append(None if encoded is None else encoded.window(t.start, t.end, self.device))
         images = ImageRows.stack(windows, ids.shape[1], self.device)
-        if len(seqs) == 1:
-            batch = seqs[0].cache
-        else:
-            parts = [s.cache for s in seqs]
-            batch = ModelCache.concat(parts)
+        parts = [s.cache for s in seqs]
+        batch = parts[0] if len(parts) == 1 else ModelCache.concat(parts)
+        if len(parts) > 1:
             for part in parts:
                 part.release()
         for s in seqs:
@@ -183,16 +181,18 @@ class ModelRunner:
                                         images=images)
             if hidden is not None:  # the drafter's rings take the positions the target layers ran on
                 self.model.draft_seed(hidden, batch)
-            for b, (s, t) in enumerate(zip(seqs, tasks)):
-                s.cache = batch if len(seqs) == 1 else batch.select([b])
-                if hidden is not None:
-                    s.draft_hidden = hidden.values[b:b + 1, -1:]
-                s.num_prefilled = t.end
-                if last:
-                    self._images.pop(s.request_id, None)
-        finally:
-            if len(seqs) > 1 or seqs[0].cache is None:
-                batch.release()
+        except Exception:
+            batch.release()  # the packed requests fail with the call
+            raise
+        for b, (s, t) in enumerate(zip(seqs, tasks)):
+            s.cache = batch if len(seqs) == 1 else batch.select([b])
+            if hidden is not None:
+                s.draft_hidden = hidden.values[b:b + 1, -1:]
+            s.num_prefilled = t.end
+            if last:
+                self._images.pop(s.request_id, None)
+        if len(seqs) > 1:
+            batch.release()  # each row's cache holds its own references now
         return [None if logits is None else logits[b] for b in range(len(seqs))]
 
     @torch.no_grad()

@@ -179,7 +179,7 @@ class ExpertStore:
                 fetched = list(self._pool.map(self._read, [(layer, e) for e in misses]))
             self.stats.read_seconds += time.perf_counter() - start
             for e, tensors in zip(misses, fetched):
-                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                nbytes = self.expert_bytes(layer, e)
                 if self.placement == "disk" or self.device.type != "cpu":
                     counters.bytes_read += nbytes
                 out[e] = self._module((layer, e), tensors)

@@ -169,32 +169,26 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        act_quant = layer.quantized and layer.numerics.act_quant
+        if layer.quantized and layer.numerics.act_quant:
+            x = self.act_quant(x)
         if layer.fp32_resident:
-            y = self.resident_linear(x, layer.dequantized_weight(), act_quant)
+            w = layer.dequantized_weight()
+            y = F.linear(x.to(w.dtype), w)
         else:
-            y = _tiled_linear(layer, formats.act_quant_qdq(x) if act_quant else x)
+            y = _tiled_linear(layer, x)
         return y if layer.exact_fp32 else layer.numerics.round(y)
 
-    def resident_linear(self, x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
-        return resident_linear(x, w, act_quant)
-
-
-def resident_linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
-    """x W^T on a resident (fp32) weight, x FP8-QDQ'd first where the weight is quantized and the policy says so."""
-    if act_quant:
-        x = formats.act_quant_qdq(x)
-    return F.linear(x.to(w.dtype), w)
+    def act_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """FP8 QDQ of an activation entering a quantized weight."""
+        return formats.act_quant_qdq(x)
 
 
 class CompiledLayerKernels(LayerKernels):
     """The activation QDQ through torch.compile (model/compiled.py): its dozen ops fuse into one loop. The GEMM
     stays outside: a compiled graph specialises on each weight's shape, and a GEMM gains nothing from fusion."""
 
-    def resident_linear(self, x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
-        if act_quant:
-            x = rowwise(formats.act_quant_qdq, x)
-        return F.linear(x.to(w.dtype), w)
+    def act_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return rowwise(formats.act_quant_qdq, x)
 
 
 def _tiled_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -181,7 +181,7 @@ class MoE(nn.Module, NumericsMixin):
 
     def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         counts: torch.Tensor, experts: Mapping[int, "Expert"],
-                        swiglu: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                        swiglu: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Inference, same math as `_routed_grouped`: the (token, slot) pairs padded per selected expert into
         [U, C, dim] and run through the U experts' stacked weights in three batched matmuls, with the quantization
         and rounding points of `Expert.swiglu`; no Python call per expert beyond stacking its cached weights."""
@@ -204,7 +204,7 @@ class MoE(nn.Module, NumericsMixin):
         w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in chosen])
                       for name in ("w1", "w3", "w2"))
         first = chosen[0]
-        out = (swiglu or batched_swiglu)(pad_x, pad_w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
+        out = swiglu(pad_x, pad_w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
         pairs = torch.empty(N * k, x.shape[-1], dtype=torch.float32, device=x.device)
         pairs[order] = out[row, rank]
         y = pairs.view(N, k, -1).sum(1) + self.shared_experts(x).float()
@@ -262,19 +262,19 @@ class BatchedMoeKernels(MoeKernels):
                 counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
         # Only with fp32 weights at hand: stacking "stored" experts would materialise them all at once.
         if ids.numel() <= self.BATCHED_PAIRS and moe.experts[0].w1.fp32_resident:
-            return moe._routed_batched(x, weights, ids, counts, experts)
+            return moe._routed_batched(x, weights, ids, counts, experts, self.batched_swiglu)
         return moe._routed_grouped(x, weights, ids, counts, experts)
+
+    def batched_swiglu(self, *args) -> torch.Tensor:
+        return batched_swiglu(*args)
 
 
 class CompiledMoeKernels(BatchedMoeKernels):
     """The batched SwiGLU (QDQ, clamps, SiLU, routing weight) fused by torch.compile (model/compiled.py); the
     dispatch around it has data-dependent shapes and stays eager."""
 
-    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
-        if ids.numel() <= self.BATCHED_PAIRS and moe.experts[0].w1.fp32_resident:
-            return moe._routed_batched(x, weights, ids, counts, experts, compiled(batched_swiglu))
-        return moe._routed_grouped(x, weights, ids, counts, experts)
+    def batched_swiglu(self, *args) -> torch.Tensor:
+        return compiled(batched_swiglu)(*args)
 
 
 class TrainMoeKernels(MoeKernels):
