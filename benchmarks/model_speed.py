@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -94,8 +95,21 @@ def profile_decode(model, memory, ids: torch.Tensor, steps: int, rows: int = 15)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+@torch.no_grad()
+def explain_decode(model, memory, ids: torch.Tensor) -> dict:
+    """torch._dynamo.explain of one whole decode step (eager numerics): how many graphs a whole-step compile would
+    get, and where it breaks (file:line -> count)."""
+    model.set_numerics(FP32)
+    cache = model.new_cache(1)
+    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1)
+    out = torch._dynamo.explain(model.decode)(token, cache, engram=memory.prepare(token.view(-1, 1), cache))
+    sites = Counter(f"{Path(b.user_stack[-1].filename).name}:{b.user_stack[-1].lineno}" if b.user_stack else "?"
+                    for b in out.break_reasons)
+    return {"graphs": out.graph_count, "graph_breaks": out.graph_break_count, "break_sites": dict(sites.most_common())}
+
+
 def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float, backends: list[str],
-          rounds: int, profile: bool = False) -> list[dict]:
+          rounds: int, profile: bool = False, explain: bool = False) -> list[dict]:
     """One model (a preset with random weights, or a checkpoint folder), every backend `rounds` times in turn;
     the best round of each is reported (the machine is shared: the minimum is the least disturbed)."""
     loaded = open_model(name)
@@ -112,6 +126,11 @@ def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth:
     decode_bytes = 4 * plan.active_decode_token
     prefill_flops = prompt_len * (2 * plan.active_decode_token + attention_flops_per_token(cfg, prompt_len))
     rows = []
+    breaks = None
+    if explain:
+        breaks = explain_decode(model, memory, ids[:, :64])
+        print(f"== {name}: a whole decode step under torch._dynamo.explain: {breaks['graphs']} graphs, "
+              f"{breaks['graph_breaks']} breaks at {breaks['break_sites']}")
     if profile:
         for backend in backends:
             model.set_numerics(FP32.with_compile(backend == "compiled"))
@@ -128,6 +147,7 @@ def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth:
             "decode_bandwidth_fraction": decode_bytes / decode_s / bandwidth,
             "prefill_matmul_peak_fraction": prefill_flops / prefill_s / peak,
             "active_params_per_decode_token": plan.active_decode_token,
+            **({"whole_step_explain": breaks} if breaks is not None else {}),
         })
     return rows
 
@@ -142,6 +162,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--profile", action="store_true", help="print the top ops of 10 decode steps per backend")
+    parser.add_argument("--explain", action="store_true",
+                        help="count the graph breaks of a whole decode step (torch._dynamo.explain)")
     parser.add_argument("--out", default=str(RESULTS / "model_speed.json"))
     args = parser.parse_args()
     peak, bandwidth = matmul_peak(), memory_bandwidth()
@@ -149,7 +171,7 @@ def main() -> None:
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = [r for name in args.presets + args.checkpoint
             for r in bench(name, args.prompt, args.decode, peak, bandwidth, args.backends, args.rounds,
-                           args.profile)]
+                           args.profile, args.explain)]
     print(f"{'model':<22}{'backend':>9}{'warm-up s':>10}{'prefill tok/s':>15}{'of peak':>9}{'decode ms/tok':>15}"
           f"{'of bandwidth':>14}")
     for r in rows:

@@ -7,6 +7,9 @@ engine runs on it. The compiled kernels are built once per test module (inductor
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -18,6 +21,9 @@ from openflash.errors import OpenflashError
 from openflash.model.numerics import FP32, NUMERICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# Inductor builds C++ for the CPU: where no compiler is installed, --compile refuses (tested below) and these skip.
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
+                               reason="no C++ compiler for torch.compile's CPU kernels")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +41,7 @@ def _logits(model, memory, ids: torch.Tensor, decode_steps: int) -> torch.Tensor
     return torch.stack(out)
 
 
+@needs_cxx
 def test_compiled_logits_match_eager_through_prefill_and_decode(tiny):
     model, _, memory = tiny
     ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -47,6 +54,7 @@ def test_compiled_logits_match_eager_through_prefill_and_decode(tiny):
         model.set_numerics(FP32)
 
 
+@needs_cxx
 def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(tiny):
     model, tok, _ = tiny
     plain = NUMERICS["plain"]
@@ -67,3 +75,22 @@ def test_the_compiled_backend_refuses_reference_and_training_numerics():
         with pytest.raises(OpenflashError, match=f"compiled backend serves the fp32 and plain.*'{name}'"):
             NUMERICS[name].with_compile()
     assert not FP32.with_compile().with_compile(False).compiled
+
+
+def test_open_model_names_a_bad_numerics_and_a_missing_compiler(monkeypatch):
+    with pytest.raises(OpenflashError, match="numerics must be one of .* got 'fp16'"):
+        open_model("tiny", numerics="fp16")
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(OpenflashError, match="needs a C\\+\\+ compiler .*'no-such-c\\+\\+' is not on PATH"):
+        open_model("tiny", compile=True)
+
+
+@needs_cxx
+def test_open_model_compile_sets_the_compiled_backend():
+    assert open_model("tiny", compile=True).model.numerics.compiled
+
+
+def test_prefill_batch_must_be_positive(tiny):
+    model, tok, _ = tiny
+    with pytest.raises(OpenflashError, match="prefill_batch must be >= 1, got 0"):
+        LLMEngine(model, tok, EngineConfig(prefill_batch=0))

@@ -38,6 +38,7 @@ from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import TokenMap
+from openflash.model.compiled import check_toolchain
 from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
@@ -158,6 +159,8 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
     if numerics not in NUMERICS:
         raise CheckpointError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
     policy = NUMERICS[numerics].with_compile(compile)
+    if compile:
+        check_toolchain(device)
     if expert_placement not in EXPERT_PLACEMENTS:
         raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
     if spec in PRESETS:

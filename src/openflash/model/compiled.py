@@ -21,10 +21,15 @@ mechanism pick the compiled functions from it (mhc.py, layers.py, attention.py, 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from functools import lru_cache
 from typing import Callable, TypeVar
 
 import torch
+
+from openflash.errors import OpenflashError
 
 F = TypeVar("F", bound=Callable)
 
@@ -41,4 +46,17 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return compiled(fn)(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
-__all__ = ["compiled", "rowwise"]
+def check_toolchain(device: str | torch.device) -> None:
+    """Refuse up front, with what to do, when torch.compile cannot build kernels for `device` here: inductor
+    compiles C++ for the CPU (the compiler in $CXX, else g++) and Triton kernels for CUDA."""
+    if torch.device(device).type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise OpenflashError("--compile on CUDA needs Triton (pip install triton), or run without --compile")
+        return
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise OpenflashError(f"--compile needs a C++ compiler for the CPU kernels torch.compile builds; {cxx!r} is "
+                             f"not on PATH (install g++, or set CXX), or run without --compile")
+
+
+__all__ = ["compiled", "rowwise", "check_toolchain"]
