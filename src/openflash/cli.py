@@ -198,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="runs/demo", help="where work is cached")
     demo.add_argument("--corpus", default=None, help="folder of text to train on (default: the Python stdlib source)")
 
+    exp = _add(sub, "experiment", "openflash.commands.experiment:experiment",
+               "reproduce the release's and the Engram paper's claims at small scale (docs/experiments.md)")
+    exp.add_argument("names", nargs="+", metavar="NAME",
+                     help="studies to run: engram-vs-moe, allocation, depth-probe, reuse, replay, offload, or all")
+    exp.add_argument("--scale", default="cpu", choices=["cpu", "large", "test"],
+                     help="cpu: all six in about an hour on 2 cores (--jobs 2); large: a real machine (wider, 8x "
+                          "the tokens; data parallel under torchrun); test: seconds, for the test suite")
+    exp.add_argument("--seeds", type=int, default=None, help="seeds per point (default: the scale's, 3)")
+    exp.add_argument("--jobs", type=int, default=1,
+                     help="training runs at once, each with its share of the cores (one process each)")
+    exp.add_argument("--out", default="runs/experiments", help="where the data and training runs are cached")
+    exp.add_argument("--results", default="docs/experiments", help="where NAME.json, NAME.png and NAME.md go")
+
     gen = _add(sub, "generate", "openflash.commands.run:generate", "generate text from a model")
     gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
     gen.add_argument("--prompt", required=True, help="prompt text (with --image: each <image> in it takes the next "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from openflash import formats
-from openflash.config import load_config
+from openflash.config import FlashConfig, load_config
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.transformer import Transformer
@@ -81,8 +81,9 @@ def stored_bytes(module: nn.Module) -> int:
     return total
 
 
-def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: str = "host") -> Plan:
-    cfg = load_config(name_or_path)
+def build_plan(name_or_path: str | FlashConfig, context: int = 1_048_576, engram_placement: str = "host") -> Plan:
+    """The plan of a preset, config.json or checkpoint folder, or of a config built in code (FlashConfig)."""
+    cfg = name_or_path if isinstance(name_or_path, FlashConfig) else load_config(name_or_path)
     with torch.device("meta"):
         model = Transformer(cfg)
     topo = cfg.topology
@@ -115,7 +116,8 @@ def build_plan(name_or_path: str, context: int = 1_048_576, engram_placement: st
     kv_per_token = int(round(main + index))
     window = len(cfg.compress_ratios) * cfg.sliding_window * formats.cache_entry_bytes("window", cfg.head_dim)
     return Plan(
-        config=str(name_or_path), params_total=backbone + tables + dspark + vision, params_backbone=backbone,
+        config="(in code)" if isinstance(name_or_path, FlashConfig) else str(name_or_path),
+        params_total=backbone + tables + dspark + vision, params_backbone=backbone,
         params_engram_tables=tables, params_dspark=dspark, params_vision=vision, active_prefill_token=prefill,
         active_decode_token=decode, bytes_by_location=by_location, kv_bytes_per_token=kv_per_token,
         window_bytes_per_sequence=window, context=context, kv_bytes_at_context=kv_per_token * context + window,
