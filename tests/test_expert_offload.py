@@ -37,19 +37,22 @@ def _run(model, report, store=None) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("placement,cache_bytes", [("host", 0), ("disk", 0), ("disk", 1), ("disk", 600_000)])
-def test_experts_from_host_or_disk_give_bit_identical_logits(ckpt, placement, cache_bytes):
+@pytest.mark.parametrize("placement,cache_bytes,prefetch", [("host", 0, True), ("disk", 0, True), ("disk", 1, True),
+                                                             ("disk", 1, False), ("disk", 600_000, True)])
+def test_experts_from_host_or_disk_give_bit_identical_logits(ckpt, placement, cache_bytes, prefetch):
     want = _run(*load_checkpoint(ckpt, weights="stored"))
     model, report = load_checkpoint(ckpt, weights="stored", skip_experts=True)
     assert model.layers[0].ffn.experts[0].w1.weight.is_meta  # none of them resident
-    store = ExpertStore(ckpt, model.cfg, model.numerics, placement, cache_bytes=cache_bytes)
+    store = ExpertStore(ckpt, model.cfg, model.numerics, placement, cache_bytes=cache_bytes, prefetch=prefetch)
     got = _run(model, report, store)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     s = store.summary()
     assert s["misses"] > 0 and s["cached_bytes"] <= (cache_bytes or float("inf"))
-    if cache_bytes == 1:  # nothing fits: every lookup reads from the shards
+    if cache_bytes == 1:  # nothing fits: every lookup reads from the shards (hinted reads once, used or not)
         assert s["hits"] == 0 and s["bytes_read"] == sum(
-            store.expert_bytes(0, 0) * c["misses"] for c in s["layers"].values())
+            store.expert_bytes(0, 0) * (c["misses"] - c["prefetched"] + c["prefetch_reads"])
+            for c in s["layers"].values())
+        assert (s["prefetched"] > 0) == prefetch and s["prefetched"] <= s["prefetch_reads"]
     if placement == "disk" and cache_bytes != 1:
         assert s["hits"] > 0 and s["bytes_read"] > 0
     store.close()
@@ -66,6 +69,7 @@ def test_engine_serves_with_disk_experts_and_reports_them(ckpt):
     assert [s.output_ids for s in engine.generate(prompts, params)] == want
     text = render(engine)
     assert 'openflash_expert_cache_misses_total{layer="0"}' in text and "openflash_expert_bytes_read_total" in text
+    assert "openflash_expert_prefetched_total" in text and loaded.experts.summary()["prefetched"] > 0
     assert "routed experts on disk" in loaded.note
 
 

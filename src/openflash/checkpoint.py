@@ -152,10 +152,11 @@ def checkpoint_folder(path: str | Path) -> Path:
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
                expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None, compile: bool = False) -> LoadedModel:
+               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = True) -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
-    numerics on the compiled backend (model/compiled.py)."""
+    numerics on the compiled backend (model/compiled.py). expert_prefetch: with disk experts, decode steps start
+    reading the experts the routers predict (memory/experts.py)."""
     if numerics not in NUMERICS:
         raise CheckpointError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
     policy = NUMERICS[numerics].with_compile(compile)
@@ -176,7 +177,7 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
     model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
                                     weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
     store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
-                        device, group=expert_group) if offload else None
+                        device, group=expert_group, prefetch=expert_prefetch) if offload else None
     note = report.summary() + (f"; routed experts on {expert_placement}" +
                                (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
     return LoadedModel(model, report.tokenizer, report.engram_frontend, note, store)

@@ -10,6 +10,9 @@ model/moe.py) for the experts their router picked, and this module is one:
   shards with positioned reads (os.pread, several experts of a layer in parallel), no conversion step.
 
 In front of either sits an LRU of ready-to-run experts under `cache_bytes` (0 = no limit), on the model's device.
+On disk, `prefetch` hints (the model's pre-gating: the next layer's router applied to this layer's input, in
+decode-sized steps) start reads in the background; a miss then waits for the read in flight instead of starting it,
+and hinted experts no call wanted go into the LRU once read.
 Counters per layer (hits, misses, bytes read) feed `/metrics` and the benchmarks. Outputs are bit-identical to the
 model's own experts: the same Expert module runs on the same stored bytes.
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -45,9 +48,11 @@ _STORAGE = {"I8": "fp4", "U8": "fp4", "F8_E4M3": "fp8", "BF16": "float", "F16": 
 
 @dataclass
 class LayerCounters:
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
+    hits: int = 0  # asked for and in the cache
+    misses: int = 0  # asked for and not in the cache (read now, or waited for a prefetch read)
+    bytes_read: int = 0  # from disk (or host to device), prefetch reads included
+    prefetched: int = 0  # misses a prefetch read had already started
+    prefetch_reads: int = 0  # experts read on a hint (used or not)
 
 
 @dataclass
@@ -61,8 +66,12 @@ class ExpertStats:
     def totals(self) -> dict[str, Any]:
         hits = sum(c.hits for c in self.layers.values())
         misses = sum(c.misses for c in self.layers.values())
+        prefetched = sum(c.prefetched for c in self.layers.values())
+        reads = sum(c.prefetch_reads for c in self.layers.values())
         return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
-                "bytes_read": sum(c.bytes_read for c in self.layers.values()), "read_seconds": self.read_seconds}
+                "bytes_read": sum(c.bytes_read for c in self.layers.values()), "read_seconds": self.read_seconds,
+                "prefetched": prefetched, "prefetch_reads": reads,
+                "prefetch_useful": prefetched / reads if reads else None}
 
 
 class ExpertGroup(Protocol):
@@ -79,7 +88,7 @@ class ExpertStore:
 
     def __init__(self, folder: str | Path, cfg: FlashConfig, numerics: Numerics, placement: str = "disk",
                  cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4,
-                 group: ExpertGroup | None = None) -> None:
+                 group: ExpertGroup | None = None, prefetch: bool = True) -> None:
         if placement not in ("host", "disk"):
             raise OpenflashError(f"expert placement {placement!r}: the store serves host or disk (device experts "
                                  f"are the model's own)")
@@ -94,6 +103,9 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="openflash-experts")
         self._cache: OrderedDict[tuple[int, int], tuple[Expert, int]] = OrderedDict()  # -> (expert, bytes)
         self._cached_bytes = 0
+        # disk: hinted experts being read in the background (host experts are in RAM already: hints are ignored)
+        self.prefetching = prefetch and placement == "disk"
+        self._pending: dict[tuple[int, int], Future] = {}
         self._host: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         if placement == "host":
             pin = self.device.type == "cuda"
@@ -158,8 +170,29 @@ class ExpertStore:
     def combine(self, routed: torch.Tensor) -> torch.Tensor:
         return routed if self.group is None else self.group.all_reduce_sum_(routed)
 
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        if not self.prefetching:
+            return
+        counters = self.stats.layer(layer)
+        for e in ids:
+            key = (layer, e)
+            if self.owns(e) and key not in self._cache and key not in self._pending:
+                self._pending[key] = self._pool.submit(self._read, key)
+                counters.prefetch_reads += 1
+                counters.bytes_read += self.expert_bytes(layer, e)
+
+    def _settle(self, layer: int, wanted: list[int]) -> None:
+        """Hinted experts of `layer` that this call does not want: into the cache once read, at its cold end (a
+        wrong guess is evicted before anything that was used), so pending reads never pile up."""
+        for key in [k for k in self._pending if k[0] == layer and k[1] not in wanted]:
+            if self._pending[key].done():
+                tensors = self._pending.pop(key).result()
+                self._insert(key, self._module(key, tensors), self.expert_bytes(*key), cold=True)
+
     def experts(self, layer: int, ids: list[int]) -> Mapping[int, Expert]:
         counters = self.stats.layer(layer)
+        if self._pending:
+            self._settle(layer, ids)
         out: dict[int, Expert] = {}
         misses = []
         for e in (e for e in ids if self.owns(e)):
@@ -173,23 +206,30 @@ class ExpertStore:
         if misses:
             counters.misses += len(misses)
             start = time.perf_counter()
+            hinted: dict[int, Future] = {}
             if self.placement == "host":
                 fetched = [self._host[(layer, e)] for e in misses]
             else:
-                fetched = list(self._pool.map(self._read, [(layer, e) for e in misses]))
+                hinted = {e: self._pending.pop((layer, e)) for e in misses if (layer, e) in self._pending}
+                cold = [e for e in misses if e not in hinted]
+                reads = dict(zip(cold, self._pool.map(self._read, [(layer, e) for e in cold])))
+                counters.prefetched += len(hinted)
+                fetched = [hinted[e].result() if e in hinted else reads[e] for e in misses]
             self.stats.read_seconds += time.perf_counter() - start
             for e, tensors in zip(misses, fetched):
                 nbytes = self.expert_bytes(layer, e)
-                if self.placement == "disk" or self.device.type != "cpu":
+                if (self.placement == "disk" or self.device.type != "cpu") and e not in hinted:  # hints: counted
                     counters.bytes_read += nbytes
                 out[e] = self._module((layer, e), tensors)
                 self._insert((layer, e), out[e], nbytes)
         return out
 
-    def _insert(self, key: tuple[int, int], expert: Expert, nbytes: int) -> None:
+    def _insert(self, key: tuple[int, int], expert: Expert, nbytes: int, cold: bool = False) -> None:
         if self.cache_bytes and nbytes > self.cache_bytes:
             return  # larger than the whole cache: used once, not kept
         self._cache[key] = (expert, nbytes)
+        if cold:
+            self._cache.move_to_end(key, last=False)
         self._cached_bytes += nbytes
         while self.cache_bytes and self._cached_bytes > self.cache_bytes:
             _, (_, old_bytes) = self._cache.popitem(last=False)
@@ -202,6 +242,7 @@ class ExpertStore:
                 "layers": {i: vars(c) for i, c in sorted(self.stats.layers.items())}}
 
     def close(self) -> None:
+        self._pending.clear()
         self._pool.shutdown(wait=True)
         self._reader.close()
 

@@ -36,6 +36,9 @@ class ExpertSource(Protocol):
     def combine(self, routed: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum over every process that ran a share (itself, in a single process)."""
 
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """A hint: layer `layer` will probably ask for experts `ids` soon (start reading them, or ignore it)."""
+
 
 class Gate(nn.Module):
     def __init__(self, cfg: FlashConfig) -> None:
@@ -142,6 +145,14 @@ class MoE(nn.Module, NumericsMixin):
             return self._routed_offloaded(x, weights, ids, counts, ctx).view(shape)
         experts = {e: self.experts[e] for e in counts.nonzero().flatten().tolist()}
         return moe_kernels(self.numerics).experts(self, x, weights, ids, counts, experts).view(shape)
+
+    def likely_experts(self, v: torch.Tensor, limit: int) -> list[int]:
+        """Up to `limit` experts this layer's router would pick for inputs v [..., D] (already normed), the most
+        picked first: a prefetch hint computed from an earlier layer's input (pre-gating), never used to route."""
+        _, ids = self.gate(v.reshape(-1, v.shape[-1]), None)
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
+        order = torch.argsort(counts, descending=True, stable=True)[:limit]
+        return [e for e in order.tolist() if counts[e] > 0]
 
     @property
     def offloaded(self) -> bool:

@@ -39,13 +39,14 @@ from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import collapse
-from openflash.model.moe import ExpertSource
+from openflash.model.moe import OFFLOAD_CHUNK, ExpertSource
 from openflash.model.numerics import FP32, Numerics
 from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
 log = logging.getLogger("openflash.model")
 
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
+PREFETCH_TOKENS = 16  # steps of at most this many tokens hint the next layer's experts to an ExpertSource
 NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepared from the same token ids by its "
            "Engram memory (openflash.memory.placement.EngramMemory.prepare, or prefetch_batch for training)")
 
@@ -172,12 +173,24 @@ class Transformer(nn.Module):
                 residual = block.engram(residual, engram.get(block.topo.engram_slot), token_mask)
                 ctx.put(f"engram{i}.out", residual)
                 residual = ctx.forced(f"engram{i}.out", residual)
+            if ctx.experts is not None and residual.shape[0] * residual.shape[1] <= PREFETCH_TOKENS:
+                self._hint_experts(residual, pre, [j for j in (i, i + 1) if j in layers], ctx.experts)
             if i in ctx.taps:  # DSpark's input: the mean of the streams entering a target layer (spec B.2)
                 ctx.taps[i] = self.numerics.round(residual.float().mean(2))
             residual, pre = block(residual, pre, ctx, image_mask)
             ctx.put(f"block{i}.out", residual)
             residual = ctx.forced(f"block{i}.out", residual)
         return residual, pre
+
+    def _hint_experts(self, residual: torch.Tensor, pre: torch.Tensor, layers: list[int],
+                      source: ExpertSource) -> None:
+        """Pre-gating: the routers of this layer and the next, applied to this layer's input, predict the experts
+        they will ask for, so the source can read them while attention (and the layer) compute. Decode-sized steps
+        only: a prefill picks most experts anyway."""
+        u = collapse(residual, pre, self.numerics)
+        for j in layers:
+            block = self.layers[j]
+            source.prefetch(j, block.ffn.likely_experts(block.ffn_norm(u), OFFLOAD_CHUNK))
 
     def _logits(self, residual: torch.Tensor, pre: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         u = collapse(residual, pre, self.numerics)  # collapse with the last block's FFN pre

@@ -86,6 +86,10 @@ def render(engine: LLMEngine) -> str:
                    {str(i): c["misses"] for i, c in layers.items()}, "layer")
         w.labelled("expert_bytes_read_total", "counter", "Bytes of routed experts read (disk, or host to device).",
                    {str(i): c["bytes_read"] for i, c in layers.items()}, "layer")
+        w.labelled("expert_prefetched_total", "counter", "Expert-cache misses a prefetch read had already started.",
+                   {str(i): c["prefetched"] for i, c in layers.items()}, "layer")
+        w.labelled("expert_prefetch_reads_total", "counter", "Routed experts read on a router's prediction.",
+                   {str(i): c["prefetch_reads"] for i, c in layers.items()}, "layer")
         w.metric("expert_cache_bytes", "gauge", "Bytes of routed experts held by the expert cache.",
                  experts["cached_bytes"])
         if experts["hit_rate"] is not None:
