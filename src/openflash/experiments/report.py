@@ -88,15 +88,19 @@ def _reuse(r: dict) -> str:
     return "\n".join(rows)
 
 
+def _after_first(values: list[float]) -> float:
+    """Mean over the teacher-forced decode tokens (everything after the prompt's next token)."""
+    return sum(values[1:]) / max(1, len(values) - 1)
+
+
 def _replay(r: dict) -> str:
     rows = ["| prompt length | NLL next token, exact | bounded | mean abs diff | KL(exact, bounded) | NLL of the next "
             f"{r['decode']} tokens, exact / bounded |", "|---|---|---|---|---|---|"]
     for p in r["by_length"]:
         kl = sum(p["kl_first"]) / len(p["kl_first"])
-        tail_e = sum(p["nll_exact"][1:]) / max(1, len(p["nll_exact"]) - 1)
-        tail_b = sum(p["nll_bounded"][1:]) / max(1, len(p["nll_bounded"]) - 1)
         rows.append(f"| {p['prompt_len']} | {p['nll_exact'][0]:.4f} | {p['nll_bounded'][0]:.4f} | "
-                    f"{p['abs_diff'][0]:.4f} | {kl:.5f} | {tail_e:.4f} / {tail_b:.4f} |")
+                    f"{p['abs_diff'][0]:.4f} | {kl:.5f} | {_after_first(p['nll_exact']):.4f} / "
+                    f"{_after_first(p['nll_bounded']):.4f} |")
     return "\n".join(rows + ["", f"{r['windows']} validation windows per length; bounded replay runs decoder layers "
                                  f"{r['decoder_layers']} on the last {r['sliding_window']} prompt positions; the "
                                  f"models were trained on {r['trained_seq_len']}-token windows."])
@@ -197,7 +201,7 @@ def _plot_replay(plt, r):
     a1.set_ylabel("NLL of the next token")
     a1.legend()
     a2.plot(lengths, [p["abs_diff"][0] for p in r["by_length"]], marker="o", label="next token")
-    a2.plot(lengths, [sum(p["abs_diff"][1:]) / max(1, len(p["abs_diff"]) - 1) for p in r["by_length"]], marker="x",
+    a2.plot(lengths, [_after_first(p["abs_diff"]) for p in r["by_length"]], marker="x",
             label=f"next {r['decode']} decode tokens")
     a2.set_xscale("log", base=2)
     a2.set_xlabel("prompt length")
