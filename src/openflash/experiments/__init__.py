@@ -53,7 +53,11 @@ def run_experiments(names: list[str], scale: Scale, out: Path, results: Path, jo
     if ctx.enabled:
         jobs = 1  # under torchrun each run is data parallel over the ranks instead
     out, results = Path(out), Path(results)
-    data = prepare_data(out, scale, say)
+    if ctx.is_main:
+        data = prepare_data(out, scale, say)
+    ctx.barrier()
+    if not ctx.is_main:  # rank 0 wrote it: a finished preparation only reads
+        data = prepare_data(out, scale, say=lambda _: None)
     specs = run_specs(names, scale, data)
     say(f"scale {scale.name}: {scale.steps} steps x {scale.batch_size} x {scale.seq_len} tokens = "
         f"{scale.tokens_per_run:,} tokens per run, {scale.seeds} seeds; arms {list(specs)}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -93,6 +92,7 @@ def train_run(spec: RunSpec, out: Path, threads: int) -> dict:
     import torch
 
     from openflash.run_dir import latest_checkpoint
+    from openflash.train.distributed import DistContext
     from openflash.train.trainer import TrainConfig, Trainer
 
     done = read_result(spec, out)
@@ -100,8 +100,11 @@ def train_run(spec: RunSpec, out: Path, threads: int) -> dict:
         return done
     torch.set_num_threads(threads)
     folder = spec.folder(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    spec.config.save(folder / "config.json")
+    ctx = DistContext.current()  # under torchrun every rank trains the run (data parallel); rank 0 writes
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        spec.config.save(folder / "config.json")
+    ctx.barrier()
     train_dir = folder / "train"
     a = spec.train_args()
     cfg = TrainConfig(data=str(spec.data.data_dir), out=str(train_dir), config=str(folder / "config.json"),
@@ -109,22 +112,23 @@ def train_run(spec: RunSpec, out: Path, threads: int) -> dict:
                       warmup=a["warmup"], eval_every=max(1, a["steps"] // 6), eval_batches=a["eval_batches"],
                       save_every=SAVE_EVERY, seed=a["seed"], resume=latest_checkpoint(train_dir) is not None,
                       progress=False)
-    start = time.monotonic()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, ctx)
     fit = trainer.fit()
     if fit.stopped_by == "interrupt":
         raise OpenflashError(f"{folder}: interrupted at step {fit.step}; run the study again to continue")
-    curve = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     result = {"arm": spec.arm, "seed": spec.seed, "key": spec.key, "val_loss": fit.val_loss,
               "params": sum(p.numel() for p in trainer.model.parameters()), "steps": fit.step,
-              "tokens": fit.step * a["batch_size"] * a["seq_len"], "seconds": round(time.monotonic() - start, 1),
-              "threads": threads, "checkpoint": str(fit.checkpoint.relative_to(out)),
-              "val_curve": [(r["step"], r["val_loss"]) for r in curve if "val_loss" in r]}
-    if trainer.ctx.is_main:  # under torchrun every rank trains the run (data parallel); one writes its result
+              "tokens": fit.step * a["batch_size"] * a["seq_len"], "seconds": round(fit.trained_seconds, 1),
+              "threads": threads, "world_size": ctx.world_size, "checkpoint": str(fit.checkpoint.relative_to(out))}
+    if ctx.is_main:
+        # A run killed between an evaluation and its next checkpoint logs that evaluation again when it resumes.
+        evals = {r["step"]: r["val_loss"] for line in (train_dir / "metrics.jsonl").read_text().splitlines()
+                 if "val_loss" in (r := json.loads(line))}
+        result["val_curve"] = sorted(evals.items())
         tmp = folder / (RESULT_FILE + ".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.replace(folder / RESULT_FILE)
-    trainer.ctx.barrier()
+    ctx.barrier()
     return result
 
 
