@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from openflash.checkpoint import load_checkpoint
 from openflash.config import LayerMode
+from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
+from openflash.model.mhc import collapse
 from openflash.model.transformer import Transformer
 from openflash.train.dataset import TokenDataset, eval_batches
 
@@ -46,9 +48,16 @@ def load_trained(checkpoint: Path) -> TrainedModel:
 
 
 def validation_windows(data_dir: Path, windows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `windows` non-overlapping windows of the validation split: inputs and targets [N, length]."""
-    batches = eval_batches(TokenDataset(data_dir, "val"), windows, length, 1)
-    return batches[0]
+    """`windows` non-overlapping windows of the validation split, spread evenly over it (its files differ in
+    style: the first few would be one file): inputs and targets [N, length]."""
+    dataset = TokenDataset(data_dir, "val")
+    available = (dataset.num_tokens - 1) // length
+    if available < windows:
+        raise OpenflashError(f"{data_dir}: the validation split has {available} windows of {length + 1} tokens, "
+                             f"fewer than the {windows} a probe reads")
+    inputs, targets = eval_batches(dataset, available, length, 1)[0]
+    pick = torch.linspace(0, available - 1, windows).round().long()
+    return inputs[pick], targets[pick]
 
 
 # ---- depth probe ----------------------------------------------------------------------------------------------
@@ -56,15 +65,15 @@ def validation_windows(data_dir: Path, windows: int, length: int) -> tuple[torch
 @torch.no_grad()
 def layer_states(trained: TrainedModel, inputs: torch.Tensor,
                  targets: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
-    """Per layer: its output (the mean of its mHC streams) [N*S, D], and the LogitLens loss of that output (the
-    final norm and head applied to it; the last layer's differs slightly from the model's own loss, which
-    collapses the streams with learned weights)."""
+    """Per layer: its output read out as the model reads its last layer's (the mHC streams collapsed with the
+    block's own pre weights) [N*S, D], and the LogitLens loss of that read-out (the final norm and head applied
+    to it; the last layer's is the model's own loss)."""
     model = trained.model
     probe = Recorder(("block",))
     model(inputs, targets, engram=trained.memory.prefetch_batch(inputs), probe=probe)
     states, lens = [], []
     for i in range(len(model.layers)):
-        h = probe.values[f"block{i}.out"].float().mean(2)  # [N, S, D]
+        h = collapse(probe.values[f"block{i}.out"], probe.values[f"block{i}.pre"], model.numerics)  # [N, S, D]
         logits = model.head(model.norm(h).float())
         lens.append(float(F.cross_entropy(logits.flatten(0, 1), targets.flatten())))
         states.append(h.flatten(0, 1))

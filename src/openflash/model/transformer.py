@@ -178,6 +178,7 @@ class Transformer(nn.Module):
             if i in ctx.taps:  # DSpark's input: the mean of the streams entering a target layer (spec B.2)
                 ctx.taps[i] = self.numerics.round(residual.float().mean(2))
             residual, pre = block(residual, pre, ctx, image_mask)
+            ctx.put(f"block{i}.pre", pre)  # the collapse weights a read-out after this block would use
             ctx.put(f"block{i}.out", residual)
             residual = ctx.forced(f"block{i}.out", residual)
         return residual, pre
