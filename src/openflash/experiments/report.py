@@ -49,13 +49,23 @@ def _engram_vs_moe(r: dict) -> str:
 
 
 def _allocation(r: dict) -> str:
-    rows = ["| rho | routed experts | Engram tables | val loss | minus rho = 0 (paired, 95% CI) |", "|---|---|---|---|---|"]
+    rows = ["| rho | routed experts | Engram tables | val loss | minus rho = 0 (paired, 95% CI) | minus the best |",
+            "|---|---|---|---|---|---|"]
     for p in r["points"]:
         diff = "reference" if p["minus_moe"] is None else _fmt(p["minus_moe"])
+        best = "best" if p["minus_best"] is None else _fmt(p["minus_best"])
         rows.append(f"| {p['rho']:g} | {p['routed_experts']:,} | {p['engram_tables']:,} | "
-                    f"{p['mean']:.4f} ± {p['std']:.4f} | {diff} |")
-    shape = "an interior minimum (U-curve)" if r["interior_minimum"] else "its minimum at an end of the range"
-    return "\n".join(rows + ["", f"Lowest mean loss at rho = {r['best_rho']:g}: {shape}."])
+                    f"{p['mean']:.4f} ± {p['std']:.4f} | {diff} | {best} |")
+    rho = r["points"][-1]["rho"]
+    if r["interior_minimum"] and r["fall_resolved"] and r["rise_resolved"]:
+        shape = "a U-curve: both ends are resolved above the best point"
+    elif r["interior_minimum"]:
+        shape = (f"the fall from rho = 0 is {'resolved' if r['fall_resolved'] else 'not resolved'}, the rise to rho = "
+                 f"{rho:g} {'is resolved' if r['rise_resolved'] else 'is not (within noise)'}: "
+                 f"{'a U-curve' if r['fall_resolved'] and r['rise_resolved'] else 'no U-curve resolved'}")
+    else:
+        shape = "the minimum sits at an end of the range: no U-curve"
+    return "\n".join(rows + ["", f"Lowest mean loss at rho = {r['best_rho']:g}; {shape}."])
 
 
 def _depth_probe(r: dict) -> str:

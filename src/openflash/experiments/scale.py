@@ -46,7 +46,7 @@ SCALES: dict[str, Scale] = {
     "cpu": Scale("cpu", preset="tiny", hidden_size=128, moe_intermediate_size=96, n_routed_experts=16, steps=600,
                  batch_size=8, seq_len=128, seeds=3, lr=3e-3, warmup=30, eval_batches=32, corpus_bytes=4_000_000,
                  tokenizer_bytes=2_000_000, vocab_size=2048, probe_windows=32,
-                 replay_lengths=(32, 64, 128, 256, 512), offload_table_mib=512, offload_rounds=8,
+                 replay_lengths=(32, 64, 128, 256, 512), offload_table_mib=512, offload_rounds=24,
                  offload_tokens=32),
     # A real machine (torchrun data parallel over --nproc-per-node): 4x wider experts, 8x the tokens.
     "large": Scale("large", preset="small", hidden_size=256, moe_intermediate_size=256, n_routed_experts=32,

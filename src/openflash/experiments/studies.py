@@ -80,8 +80,14 @@ def allocation(ctx: StudyContext) -> dict:
                        "val_loss": ctx.losses(arm),
                        "minus_moe": None if arm == "moe" else ctx.paired_diff(arm, "moe")})
     best = min(points, key=lambda p: p["mean"])
+    for p in points:
+        p["minus_best"] = None if p is best else ctx.paired_diff(p["arm"], best["arm"])
+    # A U-curve needs the best point inside the range and both ends resolved above it (paired 95% intervals).
+    ends = {"fall": points[0], "rise": points[-1]}
+    resolved = {k: p["minus_best"] is not None and p["minus_best"]["ci_low"] > 0 for k, p in ends.items()}
     return {"accounting": accounting, "points": points, "best_rho": best["rho"],
-            "interior_minimum": best["rho"] not in (0.0, RHOS[-1])}
+            "interior_minimum": best["rho"] not in (0.0, RHOS[-1]), "fall_resolved": resolved["fall"],
+            "rise_resolved": resolved["rise"]}
 
 
 # ---- 3. depth-probe -------------------------------------------------------------------------------------------
