@@ -60,11 +60,13 @@ def synth_checkpoint(layers: int, experts: int) -> Path:
 
 
 def decode(folder: Path, prefetch: bool, cache_fraction: float, ids: torch.Tensor, tokens: int) -> dict:
-    model, report = load_checkpoint(folder, weights="stored", skip_experts=True, skip_engram_tables=False)
+    tables = folder / "engram_tables"  # synth writes the released-size tables as files for the disk tier
+    model, report = load_checkpoint(folder, weights="stored", skip_experts=True, skip_engram_tables=tables.is_dir())
     total = sum(loc.nbytes for name, loc in tensor_locations(folder).items() if ROUTED.match(name))
     store = ExpertStore(folder, model.cfg, model.numerics, "disk", cache_bytes=max(1, int(cache_fraction * total)),
                         io_threads=8, prefetch=prefetch)
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
+    memory = EngramMemory.attach(model, "disk" if tables.is_dir() else "device", frontend=report.engram_frontend,
+                                 table_dir=str(tables) if tables.is_dir() else None)
     drop_page_cache(folder)
     cache = model.new_cache(1)
     logits = model.step(ids, cache, engram=memory.prepare(ids, cache), experts=store)
@@ -104,7 +106,7 @@ def main() -> None:
     results = []
     for folder in folders:
         folder = latest_checkpoint(folder) or folder
-        _, report = load_checkpoint(folder, weights="stored", skip_experts=True)
+        _, report = load_checkpoint(folder, weights="stored", skip_experts=True, skip_engram_tables=True)
         ids = torch.tensor([report.tokenizer.encode(text).ids[:args.prompt_tokens]])
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for _ in range(args.rounds):

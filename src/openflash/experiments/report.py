@@ -71,12 +71,13 @@ def _allocation(r: dict) -> str:
 def _depth_probe(r: dict) -> str:
     lens = r["lens_loss"]
     n = len(lens["moe"])
-    rows = ["| layer | LogitLens loss, MoE | LogitLens loss, Engram | most similar MoE layer (CKA) | MoE layer with "
-            "equal lens loss |", "|---|---|---|---|---|"]
+    rows = ["| layer | LogitLens loss, MoE | LogitLens loss, Engram | Engram ahead by (layers of the MoE curve) | "
+            "most similar MoE layer (CKA) |", "|---|---|---|---|---|"]
     for i in range(n):
-        eq = r["moe_layer_with_equal_lens_loss"][i]
-        rows.append(f"| {i} | {lens['moe'][i]:.3f} | {lens[ENGRAM_ARM][i]:.3f} | {r['most_similar_moe_layer'][i]} "
-                    f"(CKA {r['cka'][i][r['most_similar_moe_layer'][i]]:.3f}) | {'-' if eq is None else eq} |")
+        lead = r["lens_lead_layers"][i]
+        rows.append(f"| {i} | {lens['moe'][i]:.3f} | {lens[ENGRAM_ARM][i]:.3f} | "
+                    f"{'-' if lead is None else f'{lead:+.2f}'} | {r['most_similar_moe_layer'][i]} "
+                    f"(CKA {r['cka'][i][r['most_similar_moe_layer'][i]]:.3f}) |")
     return "\n".join(rows + ["", f"Over {r['tokens']:,} validation tokens, mean of the seeds."])
 
 

@@ -109,9 +109,20 @@ def depth_probe(ctx: StudyContext) -> dict:
     # whose LogitLens loss is as low (the depth at which the baseline knows as much).
     most_similar = [max(range(n_layers), key=lambda j: row[j]) for row in mean_cka]
     lens_depth = [next((j for j, v in enumerate(mean_lens["moe"]) if v <= e), None) for e in mean_lens[ENGRAM_ARM]]
-    return {"windows": int(inputs.shape[0]), "tokens": int(targets.numel()), "lens_loss": mean_lens,
+    return {"lens_lead_layers": [_lead(mean_lens["moe"], e, i) for i, e in enumerate(mean_lens[ENGRAM_ARM])],
+            "windows": int(inputs.shape[0]), "tokens": int(targets.numel()), "lens_loss": mean_lens,
             "lens_loss_per_seed": lens, "cka": mean_cka, "cka_per_seed": cka, "most_similar_moe_layer": most_similar,
             "moe_layer_with_equal_lens_loss": lens_depth}
+
+
+def _lead(reference: list[float], value: float, layer: int) -> float | None:
+    """How many layers ahead of `layer` the reference's lens-loss curve (linearly interpolated between layers)
+    reaches `value`; None outside the curve's range."""
+    for j in range(len(reference) - 1):
+        hi, lo = reference[j], reference[j + 1]
+        if hi >= value >= lo and hi > lo:
+            return j + (hi - value) / (hi - lo) - layer
+    return None
 
 
 # ---- 4. reuse -------------------------------------------------------------------------------------------------
