@@ -59,7 +59,8 @@ def test_experts_from_host_or_disk_give_bit_identical_logits(ckpt, placement, ca
 
 
 def test_engine_serves_with_disk_experts_and_reports_them(ckpt):
-    loaded = open_model(str(ckpt), weights="stored", expert_placement="disk", expert_cache_bytes=400_000)
+    loaded = open_model(str(ckpt), weights="stored", expert_placement="disk", expert_cache_bytes=400_000,
+                        expert_prefetch=True)
     own = open_model(str(ckpt), weights="stored")
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]

@@ -152,7 +152,7 @@ def checkpoint_folder(path: str | Path) -> Path:
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
                expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = True) -> LoadedModel:
+               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False) -> LoadedModel:
     """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
     numerics on the compiled backend (model/compiled.py). expert_prefetch: with disk experts, decode steps start

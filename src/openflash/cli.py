@@ -49,9 +49,9 @@ def _expert_flags(parser: argparse.ArgumentParser) -> None:
                              "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
     parser.add_argument("--expert-cache-bytes", type=int, default=0,
                         help="with host / disk: bytes of recently used experts kept ready (LRU; 0 = no limit)")
-    parser.add_argument("--no-expert-prefetch", action="store_true",
-                        help="with disk: read experts only when their layer asks (default: decode steps start "
-                             "reading the experts the next layers' routers predict; docs/benchmarks.md)")
+    parser.add_argument("--expert-prefetch", action="store_true",
+                        help="with disk: decode steps start reading the experts this and the next layer's routers "
+                             "predict (off by default: slower where disk reads dominate; docs/benchmarks.md)")
 
 
 def _add(sub: argparse._SubParsersAction, name: str, target: str, help_text: str) -> argparse.ArgumentParser:

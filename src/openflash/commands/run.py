@@ -42,7 +42,7 @@ def generate(args: Any) -> int:
     group = _expert_group(args)
     loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=not args.no_expert_prefetch,
+                        expert_prefetch=args.expert_prefetch,
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
                         expert_group=group, compile=args.compile)
     if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
@@ -183,7 +183,7 @@ def serve(args: Any) -> int:
         args.engram_table_dir is not None or (Path(args.model) / "engram_tables").is_dir())
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=not args.no_expert_prefetch, skip_engram_tables=tables_on_disk,
+                        expert_prefetch=args.expert_prefetch, skip_engram_tables=tables_on_disk,
                         compile=args.compile)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:

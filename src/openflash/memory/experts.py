@@ -10,9 +10,10 @@ model/moe.py) for the experts their router picked, and this module is one:
   shards with positioned reads (os.pread, several experts of a layer in parallel), no conversion step.
 
 In front of either sits an LRU of ready-to-run experts under `cache_bytes` (0 = no limit), on the model's device.
-On disk, `prefetch` hints (the model's pre-gating: the next layer's router applied to this layer's input, in
-decode-sized steps) start reads in the background; a miss then waits for the read in flight instead of starting it,
-and hinted experts no call wanted go into the LRU once read.
+On disk, with `prefetch`, hints (the model's pre-gating: this and the next layer's routers applied to the layer's
+input, in decode-sized steps) start reads in the background; a miss then waits for the read in flight instead of
+starting it, and hinted experts no call wanted go into the LRU once read, at its cold end. Off by default: on a
+read-bound machine the wrong guesses' extra bytes cost more than the overlap gains (docs/benchmarks.md).
 Counters per layer (hits, misses, bytes read) feed `/metrics` and the benchmarks. Outputs are bit-identical to the
 model's own experts: the same Expert module runs on the same stored bytes.
 
@@ -88,7 +89,7 @@ class ExpertStore:
 
     def __init__(self, folder: str | Path, cfg: FlashConfig, numerics: Numerics, placement: str = "disk",
                  cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4,
-                 group: ExpertGroup | None = None, prefetch: bool = True) -> None:
+                 group: ExpertGroup | None = None, prefetch: bool = False) -> None:
         if placement not in ("host", "disk"):
             raise OpenflashError(f"expert placement {placement!r}: the store serves host or disk (device experts "
                                  f"are the model's own)")
