@@ -66,7 +66,7 @@ def run_experiments(names: list[str], scale: Scale, out: Path, results: Path, jo
     if not ctx.is_main:
         return {}
     study_ctx = StudyContext(scale, out, data, {arm: [trained[s] for s in runs] for arm, runs in specs.items()},
-                             say)
+                             say, configs={arm: runs[0].config for arm, runs in specs.items()})
     results.mkdir(parents=True, exist_ok=True)
     done = {}
     for name in names:

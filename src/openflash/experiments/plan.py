@@ -35,5 +35,5 @@ def arm_config(name: str, scale: Scale, vocab_size: int) -> FlashConfig:
 def run_specs(studies: list[str], scale: Scale, data: StudyData) -> dict[str, list[RunSpec]]:
     """arm -> its runs (seeds 0..scale.seeds-1), for every arm the studies use (shared arms listed once)."""
     arms = dict.fromkeys(a for s in studies for a in STUDY_ARMS[s])
-    return {arm: [RunSpec(arm, seed, arm_config(arm, scale, data.vocab_size), scale, data)
-                  for seed in range(scale.seeds)] for arm in arms}
+    configs = {arm: arm_config(arm, scale, data.vocab_size) for arm in arms}  # sized once (a prime search each)
+    return {arm: [RunSpec(arm, seed, configs[arm], scale, data) for seed in range(scale.seeds)] for arm in arms}

@@ -6,12 +6,13 @@ does not matter and a rerun only re-measures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from openflash.config import FlashConfig
 from openflash.experiments import offload as ab
 from openflash.experiments import probes
 from openflash.experiments.arms import account, check_iso
@@ -29,6 +30,12 @@ class StudyContext:
     data: StudyData
     runs: dict[str, list[dict]]  # arm -> the result of each seed, seed order
     say: Callable[[str], None]
+    configs: dict[str, FlashConfig] = field(default_factory=dict)  # arm -> its config (the runs' own, or built)
+
+    def config(self, arm: str) -> FlashConfig:
+        if arm not in self.configs:
+            self.configs[arm] = arm_config(arm, self.scale, self.data.vocab_size)
+        return self.configs[arm]
 
     def losses(self, arm: str) -> list[float]:
         return [r["val_loss"] for r in self.runs[arm]]
@@ -52,7 +59,7 @@ def _mean_curve(results: list[dict]) -> list[tuple[int, float]]:
 
 
 def _accounting(ctx: StudyContext, arms: list[str]) -> tuple[dict, list[str]]:
-    table = {arm: account(arm_config(arm, ctx.scale, ctx.data.vocab_size)) for arm in arms}
+    table = {arm: account(ctx.config(arm)) for arm in arms}
     lines = check_iso(table[arms[0]], table)
     return {arm: a.as_dict() for arm, a in table.items()}, lines
 
@@ -105,14 +112,12 @@ def depth_probe(ctx: StudyContext) -> dict:
     n_layers = len(cka[0])
     mean_cka = [[sum(c[i][j] for c in cka) / len(cka) for j in range(n_layers)] for i in range(n_layers)]
     mean_lens = {arm: [sum(v[i] for v in runs) / len(runs) for i in range(n_layers)] for arm, runs in lens.items()}
-    # For each Engram-model layer: the baseline layer it is most similar to (CKA), and the first baseline layer
-    # whose LogitLens loss is as low (the depth at which the baseline knows as much).
+    # For each Engram-model layer: the baseline layer it is most similar to (CKA), and how many layers deeper the
+    # baseline has to go to reach its LogitLens loss.
     most_similar = [max(range(n_layers), key=lambda j: row[j]) for row in mean_cka]
-    lens_depth = [next((j for j, v in enumerate(mean_lens["moe"]) if v <= e), None) for e in mean_lens[ENGRAM_ARM]]
     return {"lens_lead_layers": [_lead(mean_lens["moe"], e, i) for i, e in enumerate(mean_lens[ENGRAM_ARM])],
             "windows": int(inputs.shape[0]), "tokens": int(targets.numel()), "lens_loss": mean_lens,
-            "lens_loss_per_seed": lens, "cka": mean_cka, "cka_per_seed": cka, "most_similar_moe_layer": most_similar,
-            "moe_layer_with_equal_lens_loss": lens_depth}
+            "lens_loss_per_seed": lens, "cka": mean_cka, "cka_per_seed": cka, "most_similar_moe_layer": most_similar}
 
 
 def _lead(reference: list[float], value: float, layer: int) -> float | None:
@@ -128,8 +133,8 @@ def _lead(reference: list[float], value: float, layer: int) -> float | None:
 # ---- 4. reuse -------------------------------------------------------------------------------------------------
 
 def reuse(ctx: StudyContext) -> dict:
-    table = {arm: account(arm_config(arm, ctx.scale, ctx.data.vocab_size)) for arm in ("moe", "all-full")}
-    released = arm_config("moe", ctx.scale, ctx.data.vocab_size).topology
+    table = {arm: account(ctx.config(arm)) for arm in ("moe", "all-full")}
+    released = ctx.config("moe").topology
     pairs = probes.reuse_pairs(released)
     inputs, _ = probes.validation_windows(ctx.data.data_dir, ctx.scale.probe_windows, ctx.scale.seq_len)
     per_seed = [probes.topk_agreement(ctx.trained("all-full", seed), inputs, pairs) for seed in range(ctx.scale.seeds)]
@@ -173,7 +178,7 @@ def offload(ctx: StudyContext) -> dict:
     from openflash.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ctx.data.tokenizer_path)
-    cfg = ab.offload_config(arm_config(ENGRAM_ARM, ctx.scale, ctx.data.vocab_size), tokenizer,
+    cfg = ab.offload_config(ctx.config(ENGRAM_ARM), tokenizer,
                             ctx.scale.offload_table_mib)
     tiers = ab.build_tiers(cfg, tokenizer, ctx.out / "offload_tables")
     prompt_len = 64

@@ -173,7 +173,7 @@ class ExpertStore:
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         if not self.prefetching:
-            return
+            return  # models ask only when prefetching; a direct caller's hint is ignored
         counters = self.stats.layer(layer)
         for e in ids:
             key = (layer, e)

@@ -36,8 +36,10 @@ class ExpertSource(Protocol):
     def combine(self, routed: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum over every process that ran a share (itself, in a single process)."""
 
+    prefetching: bool  # whether `prefetch` hints are used (False: the model computes none)
+
     def prefetch(self, layer: int, ids: list[int]) -> None:
-        """A hint: layer `layer` will probably ask for experts `ids` soon (start reading them, or ignore it)."""
+        """A hint: layer `layer` will probably ask for experts `ids` soon (start reading them)."""
 
 
 class Gate(nn.Module):

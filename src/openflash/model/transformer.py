@@ -46,7 +46,7 @@ from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 log = logging.getLogger("openflash.model")
 
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
-PREFETCH_TOKENS = 16  # steps of at most this many tokens hint the next layer's experts to an ExpertSource
+PREFETCH_TOKENS = 16  # steps of at most this many tokens hint this and the next layer's experts to an ExpertSource
 NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepared from the same token ids by its "
            "Engram memory (openflash.memory.placement.EngramMemory.prepare, or prefetch_batch for training)")
 
@@ -165,6 +165,8 @@ class Transformer(nn.Module):
     def _layers(self, residual: torch.Tensor, pre: torch.Tensor, layers: range, ctx: StepContext,
                 engram: EngramRows | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         token_mask = None if image_mask is None else ~image_mask
+        hints = ctx.experts is not None and ctx.experts.prefetching and \
+            residual.shape[0] * residual.shape[1] <= PREFETCH_TOKENS
         for i in layers:
             block = self.layers[i]
             if block.topo.engram_before:
@@ -173,7 +175,7 @@ class Transformer(nn.Module):
                 residual = block.engram(residual, engram.get(block.topo.engram_slot), token_mask)
                 ctx.put(f"engram{i}.out", residual)
                 residual = ctx.forced(f"engram{i}.out", residual)
-            if ctx.experts is not None and residual.shape[0] * residual.shape[1] <= PREFETCH_TOKENS:
+            if hints:
                 self._hint_experts(residual, pre, [j for j in (i, i + 1) if j in layers], ctx.experts)
             if i in ctx.taps:  # DSpark's input: the mean of the streams entering a target layer (spec B.2)
                 ctx.taps[i] = self.numerics.round(residual.float().mean(2))
