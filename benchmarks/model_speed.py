@@ -6,7 +6,8 @@
 Rooflines are measured by the script itself: fp32 matmul peak (a large square matmul) and memory bandwidth (a large
 tensor copy, read + write). Decode at batch 1 reads every active weight once per token: its roofline time is
 active-weight bytes / bandwidth. Prefill is compute-bound: model FLOPs = 2 x active params per token + attention.
-Backends: `eager` (the reference implementation) and `compiled` (model/compiled.py), measured in turn in one process,
+Backends: `eager` (the reference implementation) and `compiled` (model/compiled.py: fused kernels for prefill, each
+decode step one graph, model/decode_graph.py), measured in turn in one process,
 the best of `--rounds` each; the first warm-up of the compiled backend includes its compilation (less where
 inductor's on-disk cache already holds the kernels). Writes benchmarks/results/model_speed.json.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import open_model
+from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import FP32
 from openflash.plan import build_plan
 
@@ -97,12 +99,14 @@ def profile_decode(model, memory, ids: torch.Tensor, steps: int, rows: int = 15)
 
 @torch.no_grad()
 def explain_decode(model, memory, ids: torch.Tensor) -> dict:
-    """torch._dynamo.explain of one whole decode step (eager numerics): how many graphs a whole-step compile would
-    get, and where it breaks (file:line -> count)."""
-    model.set_numerics(FP32)
+    """torch._dynamo.explain of the body the compiled backend runs as one graph per decode step
+    (`Transformer.static_decode`, model/decode_graph.py): how many graphs it makes, and where it breaks
+    (file:line -> count)."""
+    model.set_numerics(FP32.with_compile())
     cache = model.new_cache(1)
-    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1)
-    out = torch._dynamo.explain(model.decode)(token, cache, engram=memory.prepare(token.view(-1, 1), cache))
+    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1).view(-1, 1)
+    rows = DecodeGraph(model).prepare(cache, memory.prepare(token, cache))
+    out = torch._dynamo.explain(model.static_decode)(token, cache, rows)
     sites = Counter(f"{Path(b.user_stack[-1].filename).name}:{b.user_stack[-1].lineno}" if b.user_stack else "?"
                     for b in out.break_reasons)
     return {"graphs": out.graph_count, "graph_breaks": out.graph_break_count, "break_sites": dict(sites.most_common())}
@@ -163,7 +167,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--profile", action="store_true", help="print the top ops of 10 decode steps per backend")
     parser.add_argument("--explain", action="store_true",
-                        help="count the graph breaks of a whole decode step (torch._dynamo.explain)")
+                        help="count the graph breaks of the decode graph's body (torch._dynamo.explain)")
     parser.add_argument("--out", default=str(RESULTS / "model_speed.json"))
     args = parser.parse_args()
     peak, bandwidth = matmul_peak(), memory_bandwidth()

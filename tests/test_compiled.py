@@ -49,6 +49,7 @@ def test_compiled_logits_match_eager_through_prefill_and_decode(tiny):
         eager = _logits(model, memory, ids, 20)  # past a compressed group boundary and the window
         model.set_numerics(FP32.with_compile())
         fused = _logits(model, memory, ids, 20)
+        assert model._decode_graph().steps == 20  # the decode steps ran as one graph each (model/decode_graph.py)
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
     finally:
         model.set_numerics(FP32)

@@ -277,6 +277,16 @@ class PagedCompressedCache:
             blocks = self.table[rows_c, slot]
         self.pool.store(blocks.to(self.pool.device), (entries_c % bs).to(self.pool.device), kv, index_k)
 
+    @property
+    def capacity(self) -> int:
+        return int(self.table.shape[1]) * self.pool.block_size
+
+    def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
+                     index_k: torch.Tensor) -> None:
+        # Block tables grow on the host: the selected write (a whole-step graph runs on dense caches only).
+        b_idx, g_idx = complete.nonzero(as_tuple=True)
+        self.write(b_idx, entries[b_idx, g_idx], kv[b_idx, g_idx], index_k[b_idx, g_idx])
+
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk]); rows with fewer read zeros."""
         nb = -(-n // self.pool.block_size)

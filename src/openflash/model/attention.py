@@ -62,7 +62,9 @@ class Compressor(nn.Module, NumericsMixin):
         start = positions[:, 0]
         shift = start % r if state is not None else torch.zeros_like(start)
         fill = shift + S
-        groups = -(-int(fill.max()) // r)
+        # Groups this chunk can touch: shift < r, so at most ceil((S + r - 1) / r) (an empty trailing group pools
+        # zeros and is not complete). A bound from the shape alone: no host read of the positions.
+        groups = -(-(S + (r - 1 if state is not None else 0)) // r)
         buf_kv = x.new_zeros(B, groups * r, kv.shape[-1], dtype=torch.float32)
         # Empty slots get a huge finite negative score (not -inf) so that no softmax sees an all -inf group.
         buf_score = torch.full_like(buf_kv, _MAX_FLOOR)
@@ -280,6 +282,10 @@ class Attention(nn.Module, NumericsMixin):
         if state is None:
             n = int(complete[0].sum())  # a training sequence starts at 0: complete groups form a prefix
             view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
+        elif ctx.static:  # the cache's whole capacity, entries past `length` masked by their readers
+            state.write_groups(entry_ids, complete, kv.detach(), index_k.detach())
+            state.length = visible_entries(ctx.positions[:, -1], ratio)
+            view = CompressedView(*state.read(state.capacity), state.length)
         else:
             b_idx, g_idx = complete.nonzero(as_tuple=True)
             state.write(b_idx, entry_ids[b_idx, g_idx], kv[b_idx, g_idx].detach(), index_k[b_idx, g_idx].detach())

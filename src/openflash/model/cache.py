@@ -74,6 +74,13 @@ class CompressedStore(Protocol):
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
 
+    capacity: int  # entries each row can hold without growing
+
+    def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
+                     index_k: torch.Tensor) -> None:
+        """Store the complete ones of a chunk's groups (entry ids [B, G], distinct per row, all below `capacity`)
+        by a masked write: shapes do not depend on which groups completed."""
+
     def select(self, rows: torch.Tensor) -> "CompressedStore": ...
 
     @classmethod
@@ -189,6 +196,14 @@ class WindowCache:
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Store tokens at slot position % W; only the last W of a chunk survive (they overwrite the rest)."""
         window = self.kv.shape[1]
+        if positions.shape[1] <= window:
+            # A chunk's positions are consecutive, so here each row's slots are distinct: a masked write, with no
+            # data-dependent shapes (a decode step stays one graph, model/decode_graph.py).
+            rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+            slots = positions % window
+            self.kv[rows, slots] = torch.where(valid.unsqueeze(-1), kv.to(self.kv.dtype), self.kv[rows, slots])
+            self.pos[rows, slots] = torch.where(valid, positions, self.pos[rows, slots])
+            return
         keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - window)
         b_idx, s_idx = keep.nonzero(as_tuple=True)
         slots = positions[b_idx, s_idx] % window
@@ -233,11 +248,27 @@ class CompressedCache:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
         return self.kv[:, :n], self.index_k[:, :n]
 
-    def ensure_capacity(self, needed: int) -> None:
+    @property
+    def capacity(self) -> int:
+        return int(self.kv.shape[1])
+
+    def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
+                     index_k: torch.Tensor) -> None:
+        rows = torch.arange(entries.shape[0], device=entries.device).unsqueeze(1)
+        keep = complete.unsqueeze(-1)
+        self.kv[rows, entries] = torch.where(keep, kv.to(self.kv.dtype), self.kv[rows, entries])
+        self.index_k[rows, entries] = torch.where(keep, index_k.to(self.index_k.dtype), self.index_k[rows, entries])
+
+    def reserve(self, entries: int) -> None:
+        """Grow to exactly `entries` per row if it holds fewer (a whole-step graph's bucketed capacity)."""
+        if entries > self.capacity:
+            self.ensure_capacity(entries, exact=True)
+
+    def ensure_capacity(self, needed: int, exact: bool = False) -> None:
         cap = self.kv.shape[1]
         if needed <= cap:
             return
-        new_cap = max(needed, 2 * cap, 16)
+        new_cap = needed if exact else max(needed, 2 * cap, 16)
         grow = new_cap - cap
         self.kv = torch.cat((self.kv, self.kv.new_zeros(self.kv.shape[0], grow, self.kv.shape[2])), dim=1)
         self.index_k = torch.cat(

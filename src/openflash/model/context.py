@@ -54,6 +54,9 @@ class StepContext:
     probe: Probe | None = None  # parity checks: observes intermediates, keyed like the goldens
     taps: dict[int, torch.Tensor | None] = field(default_factory=dict)  # DSpark target layers -> mean input stream
     experts: "ExpertSource | None" = None  # routed experts kept outside the model (memory/experts.py)
+    # One graph for the whole call (model/decode_graph.py): every shape fixed by the cache's capacity (compressed
+    # stores read whole, writes masked, experts gathered per routed pair), no host read of a tensor's values.
+    static: bool = False
 
     def put(self, name: str, value: torch.Tensor) -> None:
         if self.probe is not None:

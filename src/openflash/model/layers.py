@@ -112,6 +112,8 @@ class Linear(nn.Module, NumericsMixin):
             return self.weight if self.weight.dtype == torch.float32 else self.weight.float()
         if not self.keep_dequantized:
             return self.dequantized_rows(0, self.out_features)
+        if self._dequant is not None and torch.compiler.is_compiling():
+            return self._dequant  # a whole-step graph: its runner refreshed the cache before the call
         key = (self.weight.data_ptr(), self.weight._version, self.scale._version, self.weight.device)
         if self._dequant is None or self._dequant_key != key:
             self._dequant = self.dequantized_rows(0, self.out_features)

@@ -133,6 +133,9 @@ class MoE(nn.Module, NumericsMixin):
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dense,
                                      cfg.swiglu_limit)
         self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stacked_key: tuple | None = None
+        self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
 
     def forward(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = v.shape
@@ -140,6 +143,8 @@ class MoE(nn.Module, NumericsMixin):
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         ctx.put(f"block{self.layer}.gate_indices", ids)
         ctx.put(f"block{self.layer}.gate_weights", weights)
+        if ctx.static:
+            return self._routed_gathered(x, weights, ids).view(shape)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
@@ -222,6 +227,35 @@ class MoE(nn.Module, NumericsMixin):
         pairs[order] = out[row, rank]
         y = pairs.view(N, k, -1).sum(1) + self.shared_experts(x).float()
         return self.numerics.round(y)
+
+    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every routed expert's fp32 w1, w3, w2 stacked [E, out, in] (a copy beside the experts' own, kept while
+        their weights are unchanged): what `_routed_gathered` indexes by expert id."""
+        if self._stacked is not None and torch.compiler.is_compiling():
+            return self._stacked  # a whole-step graph: its runner refreshed the stack before the call
+        key = tuple((t.data_ptr(), t._version) for lin in self._expert_linears
+                    for tensors in (lin._parameters, lin._buffers) for t in tensors.values())
+        if self._stacked is None or self._stacked_key != key:
+            self._stacked = tuple(torch.stack([getattr(e, name).dequantized_weight() for e in self.experts])
+                                  for name in ("w1", "w3", "w2"))
+            self._stacked_key = key
+        return self._stacked
+
+    def _routed_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Inference in a whole-step graph, same math as `_routed_batched`: each routed (token, slot) pair runs
+        through its expert's weights gathered by id, so no shape depends on the routing (quantization and rounding
+        points of `Expert.swiglu`; the pairs summed in slot order, as there)."""
+        n = self.numerics
+        w1, w3, w2 = self.stacked_experts()
+        first = self.experts[0]
+        act_quant = first.w1.quantized and n.act_quant
+        xin = formats.act_quant_qdq(x) if act_quant else x
+        gate = n.round(torch.einsum("nd,nkid->nki", xin, w1[ids])).float().clamp(max=first.limit)
+        up = n.round(torch.einsum("nd,nkid->nki", xin, w3[ids])).float().clamp(-first.limit, first.limit)
+        act = n.round(weights.unsqueeze(-1) * (F.silu(gate) * up))
+        act = formats.act_quant_qdq(act) if act_quant else act
+        out = n.round(torch.einsum("nki,nkdi->nkd", act, w2[ids])).float()
+        return n.round(out.sum(1) + self.shared_experts(x).float())
 
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        counts: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ class Rotary:
         """positions int64 [...] -> (cos, sin) fp32 [..., rope_dim/2]."""
         freqs = self.freqs.to(positions.device)
         angle = positions.to(torch.float32).unsqueeze(-1) * freqs
+        if torch.compiler.is_compiling():  # (no complex ops in a compiled graph: polar(1, a) is cos a + i sin a)
+            return torch.cos(angle), torch.sin(angle)
         rotation = torch.polar(torch.ones_like(angle), angle)  # the reference's table: cos/sin via polar
         return rotation.real, rotation.imag
 
@@ -50,7 +52,17 @@ class Rotary:
 
         `inverse` uses the conjugate rotation (output de-rotation, architecture.md §5.11).
         """
+        if torch.compiler.is_compiling():  # inductor generates no code for complex ops: the product in reals
+            return _rotate_tail_real(x, cos, -sin if inverse else sin, self.rope_dim)
         return _Rotate.apply(x, torch.complex(cos, -sin if inverse else sin), self.rope_dim)
+
+
+def _rotate_tail_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """`_rotate_tail` by (cos + i sin) written out in real arithmetic (equal up to the complex kernel's rounding)."""
+    a, b = x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = x.clone()
+    out[..., -rope_dim:] = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+    return out
 
 
 def _rotate_tail(x: torch.Tensor, rotation: torch.Tensor, rope_dim: int) -> torch.Tensor:

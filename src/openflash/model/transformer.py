@@ -34,6 +34,7 @@ from openflash.model import dspark
 from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer
 from openflash.model.context import CompressedView, Probe, StepContext
+from openflash.model.decode_graph import DecodeGraph
 from openflash.model.dspark import DSparkStage
 from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
@@ -87,6 +88,8 @@ class Transformer(nn.Module):
                 nn.Parameter(torch.randn(cfg.hidden_size) * 0.02) for _ in range(3))
         self.numerics: Numerics = FP32
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
+        # The compiled backend's whole-step decode graphs (model/decode_graph.py), one per numerics policy.
+        self._graphs: dict[Numerics, DecodeGraph] = {}
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def set_numerics(self, numerics: Numerics) -> "Transformer":
@@ -250,7 +253,9 @@ class Transformer(nn.Module):
 
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
-              hidden: bool, experts: ExpertSource | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
+              hidden: bool, experts: ExpertSource | None = None,
+              static: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+        """static: this call is the body of a whole-step graph (model/decode_graph.py, StepContext.static)."""
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
         if mode == "bounded" and not self.cfg.topology.bounded_replay_ok:
@@ -261,9 +266,14 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         if cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
+        if S == 1 and self.numerics.compiled and not static and not all_logits:
+            graph = self._decode_graph()
+            if graph.why_not(cache, images, probe, hidden, experts) is None:
+                return graph(input_ids, cache, engram), None
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
-        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps, experts=experts)
+        ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps, experts=experts,
+                          static=static)
         residual, pre = self.streams(input_ids, images)
         if images is not None:
             ctx.put("embed_merged", residual[:, :, 0])
@@ -300,6 +310,16 @@ class Transformer(nn.Module):
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      tail_mask)
         return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1], self._hidden(tail_ctx)
+
+    def static_decode(self, input_ids: torch.Tensor, cache: ModelCache, engram: EngramRows | None) -> torch.Tensor:
+        """A decode step [B, 1] with every shape fixed by the cache (StepContext.static): the body that
+        model/decode_graph.py compiles into one graph. Returns logits [B, V]."""
+        return self._step(input_ids, cache, "exact", True, engram, None, None, False, False, static=True)[0]
+
+    def _decode_graph(self) -> DecodeGraph:
+        if self.numerics not in self._graphs:
+            self._graphs[self.numerics] = DecodeGraph(self)
+        return self._graphs[self.numerics]
 
     def _taps(self) -> dict[int, torch.Tensor | None]:
         if self.cfg.dspark is None:

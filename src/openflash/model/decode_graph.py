@@ -1,0 +1,135 @@
+"""A decode step as one compiled graph: the compiled backend's fast path for single-token steps.
+
+The per-kernel compiled backend (model/compiled.py) fuses each elementwise chain but leaves a decode step as ~100
+separate compiled calls with eager code between them, each paying dynamo's guard check and its wrapper: on a CPU
+that overhead, not the arithmetic, is the step. Here the whole step (embedding, every layer, the head) is traced
+once by torch.compile into one graph, so a step costs one guard check and one generated program.
+
+What makes that possible is that no shape depends on a tensor's values (`StepContext.static`):
+- the compressed stores are read whole at a fixed capacity, entries past each row's length masked by their readers
+  (the indexer's visibility mask; top-k over the fixed width picks the same entries, the rest become -1);
+- cache writes are masked writes (window ring slot = position % window; compressed groups where complete);
+- routed experts run per (token, slot) pair on weights gathered by expert id (`MoE._routed_gathered`), from an fp32
+  stack of the experts kept beside them.
+The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
+rounding (tests/test_decode_graph.py).
+
+Shapes are static (`dynamic=False`): one graph per batch size and per compressed capacity. The capacity grows in
+powers of two from CAPACITY_TOKENS (reserved before the step, the only host read: the largest position), so a
+generation of n tokens compiles about log2(n / CAPACITY_TOKENS) + 1 graphs, each cached on disk by inductor.
+
+Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, steps with a probe, images,
+drafter taps or an ExpertSource, paged engine caches, "stored" weight residency (no fp32 copies to gather).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from openflash.model.cache import CompressedCache, ModelCache, WindowCache
+from openflash.model.engram import EngramRows
+from openflash.model.layers import Linear
+from openflash.model.moe import MoE
+
+if TYPE_CHECKING:
+    from openflash.model.transformer import Transformer
+
+log = logging.getLogger("openflash.model")
+
+CAPACITY_TOKENS = 256  # the smallest compressed capacity, in tokens, a graph is built for
+
+
+@dataclass
+class FetchedRows:
+    """EngramRows already gathered: a graph cannot wait on a tier's background fetch, so the step takes its rows
+    up front (on the device tier that is where they are gathered anyway)."""
+
+    rows: dict[int, torch.Tensor]
+
+    def get(self, slot: int) -> torch.Tensor:
+        return self.rows[slot]
+
+
+class DecodeGraph:
+    """One model's whole-step decode graph (module doc): `why_not` says whether a step can run here, `__call__`
+    runs it."""
+
+    def __init__(self, model: "Transformer") -> None:
+        self.model = model
+        # Dynamo's per-call guard check on every module attribute and parameter costs more than a small model's
+        # layers (0.7 ms of a 6 ms step): it is skipped, which is safe because this graph serves one model under one
+        # numerics policy (Transformer keeps one DecodeGraph per policy), whose structure does not change, and
+        # because its compiled code hangs on a code object of its own, never tried on another model. Guards on
+        # the cache and the inputs (shapes, dtypes) stay.
+        own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")
+        self._step: Callable[..., torch.Tensor] = torch.compile(
+            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=False,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                     **({"cpp_wrapper": True} if __import__("os").environ.get("CPPW") else {})})
+        self._linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized]
+        self._moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
+        self._noted: set[str] = set()
+        self.steps = 0  # decode steps run as one graph
+
+    def why_not(self, cache: ModelCache, images: Any, probe: Any, hidden: bool, experts: Any) -> str | None:
+        """None when the step can run as one graph, else the reason (logged once per reason)."""
+        reason = None
+        if probe is not None or images is not None or hidden:
+            reason = "a probe, images or drafter taps"
+        elif experts is not None or any(m.offloaded for m in self._moes):
+            reason = "routed experts from an ExpertSource"
+        elif cache.replay is not None:
+            reason = "a pending bounded-replay prefill"
+        elif not all(isinstance(w, WindowCache) for w in cache.window) or \
+                not all(isinstance(c, CompressedCache) for c in cache.compressed.values()):
+            reason = "paged cache stores"
+        elif not all(m.fp32_resident for m in self._linears):
+            reason = '"stored" weight residency'
+        if reason is not None and reason not in self._noted:
+            self._noted.add(reason)
+            log.info("decode steps with %s run on the per-kernel compiled path, not as one graph", reason)
+        return reason
+
+    def __call__(self, input_ids: torch.Tensor, cache: ModelCache, engram: EngramRows | None) -> torch.Tensor:
+        """Logits [B, V] of one decode step (input_ids [B, 1]), the cache advanced by one token."""
+        rows = self.prepare(cache, engram)
+        self.steps += 1
+        with warnings.catch_warnings():
+            # Tracing passes through the kernel sets' lru_cache'd getters: pure functions of the numerics policy,
+            # which dynamo warns about generically.
+            warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+            return self._step(self.model, input_ids, cache, rows)
+
+    def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:
+        """What the graph's body (`Transformer.static_decode`) needs before it runs: the cache's capacity
+        reserved, the weight caches it reads brought up to date, the Engram rows fetched."""
+        self._reserve(cache)
+        for linear in self._linears:
+            linear.dequantized_weight()
+        for moe in self._moes:
+            moe.stacked_experts()
+        return None if engram is None else FetchedRows({s: engram.get(s) for s in self._engram_slots})
+
+    def _reserve(self, cache: ModelCache) -> None:
+        """Compressed capacity for this step's entries, in power-of-two buckets of tokens (one graph each)."""
+        if not cache.compressed:
+            return
+        tokens = max(CAPACITY_TOKENS, 1 << int(cache.pos.max()).bit_length())  # > the step's position
+        for store in cache.compressed.values():
+            ratio = store.partial_kv.shape[1]
+            store.reserve(-(-tokens // ratio))
+
+
+def _decode(model: "Transformer", input_ids: torch.Tensor, cache: ModelCache,
+            rows: EngramRows | None) -> torch.Tensor:
+    return model.static_decode(input_ids, cache, rows)
+
+
+__all__ = ["DecodeGraph", "FetchedRows", "CAPACITY_TOKENS"]

@@ -1,0 +1,135 @@
+"""A decode step as one compiled graph (model/decode_graph.py) against the eager path.
+
+The shape-static forms (masked cache writes, compressed stores read at full capacity, experts gathered per routed
+pair) are checked eagerly first, cheaply and tightly; then the compiled graph, across a capacity bucket, with no
+graph break. Plain numerics for the tight comparisons: a QDQ rounding flip on a last-bit difference would hide a
+real one (fp32 numerics get their own, looser check). Never bitwise: summation order may differ.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from openflash.checkpoint import open_model
+from openflash.model import decode_graph
+from openflash.model.decode_graph import DecodeGraph
+from openflash.model.numerics import NUMERICS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
+                               reason="no C++ compiler for torch.compile's CPU kernels")
+PLAIN = NUMERICS["plain"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = open_model("tiny", numerics="plain")
+    return loaded.model, loaded.memory()
+
+
+def _prefill(model, memory, ids: torch.Tensor):
+    cache = model.new_cache(ids.shape[0])
+    return cache, model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))
+
+
+def _decode_run(model, memory, ids: torch.Tensor, steps: int, static_eager: bool = False) -> torch.Tensor:
+    """Logits of the prefill and `steps` greedy decode steps; static_eager: the graph's body run eagerly."""
+    cache, logits = _prefill(model, memory, ids)
+    out = [logits]
+    graph = DecodeGraph(model)
+    for _ in range(steps):
+        token = out[-1].argmax(-1).view(-1, 1)
+        rows = memory.prepare(token, cache)
+        if static_eager:
+            out.append(model.static_decode(token, cache, graph.prepare(cache, rows)))
+        else:
+            out.append(model.decode(token, cache, engram=rows))
+    return torch.stack(out)
+
+
+def test_the_shape_static_step_equals_the_eager_step(tiny, monkeypatch):
+    """Past compressed group boundaries, the window and a capacity bucket, on a batch whose rows sit at different
+    positions (masked writes per row)."""
+    model, memory = tiny
+    monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
+    model.set_numerics(PLAIN)
+    for ids in (torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(2)),
+                torch.randint(3, 1000, (2, 13), generator=torch.Generator().manual_seed(3))):
+        if ids.shape[0] == 2:
+            ids[1, :5] = 0  # (same length; the rows differ in content and so in routing and top-k)
+        want = _decode_run(model, memory, ids, 24)
+        got = _decode_run(model, memory, ids, 24, static_eager=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_static_step_writes_a_row_at_its_own_position(tiny):
+    """Rows at different positions (an engine's batch): each row's window slot and compressed entries land where
+    the eager step puts them."""
+    model, memory = tiny
+    model.set_numerics(PLAIN)
+    caches = []
+    for n in (5, 12):
+        cache, _ = _prefill(model, memory, torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(n)))
+        caches.append(cache)
+    both = [type(caches[0]).concat(caches) for _ in range(2)]
+    for c in both[1].compressed.values():
+        c.reserve(64)
+    token = torch.tensor([[7], [9]])
+    want = model.decode(token.view(-1), both[0], engram=memory.prepare(token, both[0]))
+    got = model.static_decode(token, both[1], memory.prepare(token, both[1]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(both[0].window, both[1].window):
+        assert torch.equal(a.pos, b.pos)
+        torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+    for i, a in both[0].compressed.items():
+        b = both[1].compressed[i]
+        assert torch.equal(a.length, b.length)
+        n = int(a.length.max())
+        torch.testing.assert_close(b.read(n)[0], a.read(n)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_steps_that_cannot_be_one_graph_say_why(tiny):
+    model, memory = tiny
+    graph = DecodeGraph(model)
+    cache, _ = _prefill(model, memory, torch.tensor([[5, 6, 7]]))
+    assert graph.why_not(cache, None, None, False, None) is None
+    assert "probe" in graph.why_not(cache, None, object(), False, None)
+    assert "ExpertSource" in graph.why_not(cache, None, None, False, object())
+    assert "paged" in graph.why_not(_paged_cache(model), None, None, False, None)
+
+
+def test_stored_weights_run_decode_on_the_per_kernel_path():
+    """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency): not one graph."""
+    model = open_model("tests/goldens/A2", weights="stored").model
+    cache = model.new_cache(1)
+    assert DecodeGraph(model).why_not(cache, None, None, False, None) == '"stored" weight residency'
+    model.set_weight_residency("dequantized")
+    assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
+
+
+def _paged_cache(model):
+    from openflash.engine.cache import CacheFactory
+
+    return CacheFactory.create(model.cfg).empty(1)
+
+
+@needs_cxx
+def test_the_decode_graph_matches_eager_with_no_graph_break(tiny, monkeypatch):
+    model, memory = tiny
+    monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
+    ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(4))
+    try:
+        model.set_numerics(PLAIN)
+        want = _decode_run(model, memory, ids, 12)  # positions 10..21: capacity buckets of 16 and 32 tokens
+        model.set_numerics(PLAIN.with_compile())
+        torch._dynamo.utils.counters.clear()
+        got = _decode_run(model, memory, ids, 12)
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        assert model._decode_graph().steps == 12
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        model.set_numerics(PLAIN)
