@@ -1,6 +1,7 @@
 """Serving benchmark: throughput and latency of the engine and the HTTP server, prefix caching, prefill modes.
 
     python benchmarks/serve.py [--presets tiny small] [--levels 1 4 16 64] [--threads 1] [--skip-http]
+                               [--backends eager compiled]
 
 Presets run with random weights (throughput does not depend on the weights) and the default fp32 numerics;
 prompts are random token ids below 1000 (valid for both presets), completions have a fixed length (ignore_eos).
@@ -40,6 +41,7 @@ import torch
 from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
+from openflash.model.numerics import FP32
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
 
@@ -94,26 +96,36 @@ def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int,
 
 
 def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int,
-                      prefill_batches: list[int]) -> list[dict]:
-    """Each level run on one engine per prefill_batch value, back to back (variants side by side)."""
-    engines = {b: LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096, prefill_chunk=128,
-                                                     max_step_tokens=512, prefix_cache=False, prefill_batch=b))
-               for b in prefill_batches}
+                      prefill_batches: list[int], backends: list[str]) -> list[dict]:
+    """Each level run on one engine per (backend, prefill_batch), back to back (variants side by side); the model's
+    numerics switch to each engine's backend before it runs."""
+    numerics = {"eager": FP32, "compiled": FP32.with_compile()}
+    engines = {(be, b): LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096,
+                                                           prefill_chunk=128, max_step_tokens=512, prefix_cache=False,
+                                                           prefill_batch=b))
+               for be in backends for b in prefill_batches}
     for engine in engines.values():
         engine.start()
     try:
-        for engine in engines.values():
-            closed_loop(engine, 2, 2, prompt_len, 4, seed=10_000)  # warm-up
+        for (be, _), engine in engines.items():
+            model.set_numerics(numerics[be])
+            # Warm-up at the largest level: the compiled backend's graphs for every batch size and the grown block
+            # pool are built here, not inside a measurement.
+            start = time.perf_counter()
+            closed_loop(engine, max(levels), max(levels), prompt_len, 4, seed=10_000)
+            print(f"  warm-up ({be}): {time.perf_counter() - start:.1f} s", flush=True)
         rows = []
         for c in levels:
             requests = max(4, c) if c < 64 else c  # bounded: every client sends 1-4 requests
-            for b, engine in engines.items():
-                rows.append({"prefill_batch": b, **closed_loop(engine, c, requests, prompt_len, max_tokens,
-                                                                  seed=1000 * c)})
-                print(f"  {c:3d} clients, prefill_batch {b:2d}: {rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT p50 "
-                      f"{rows[-1]['ttft_p50_s'] * 1000:.0f} ms", flush=True)
+            for (be, b), engine in engines.items():
+                model.set_numerics(numerics[be])
+                rows.append({"backend": be, "prefill_batch": b,
+                             **closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c)})
+                print(f"  {c:3d} clients, {be}, prefill_batch {b:2d}: {rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT "
+                      f"p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms", flush=True)
         return rows
     finally:
+        model.set_numerics(FP32)
         for engine in engines.values():
             engine.shutdown(0)
 
@@ -276,6 +288,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (engine and HTTP server)")
     ap.add_argument("--prefill-batch", nargs="+", type=int, default=[1, 16],
                     help="engine prefill_batch values compared side by side (the last one is the default's figures)")
+    ap.add_argument("--backends", nargs="+", default=["eager"], choices=["eager", "compiled"],
+                    help="engine backends compared side by side in the concurrency part (compiled: --compile)")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--concurrency-only", action="store_true", help="skip the shared-prefix and prefill-mode parts")
     ap.add_argument("--out", default=str(RESULTS))
@@ -290,8 +304,9 @@ def main() -> None:
         model, tok = loaded.model, loaded.tokenizer
         r: dict = {}
         r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens,
-                                             args.prefill_batch)
-        main_rows = [x for x in r["concurrency"] if x["prefill_batch"] == args.prefill_batch[-1]]
+                                             args.prefill_batch, args.backends)
+        main_rows = [x for x in r["concurrency"]
+                     if x["prefill_batch"] == args.prefill_batch[-1] and x["backend"] == args.backends[0]]
         one = next((x for x in main_rows if x["clients"] == 1), None)
         sixteen = next((x for x in main_rows if x["clients"] == 16), None)
         if one and sixteen:
@@ -309,12 +324,13 @@ def main() -> None:
         results["http_tiny"] = bench_http(args.levels, args.prompt_len, args.max_tokens, args.threads)
 
     print(f"\nload average at start {results['load_average_at_start']}, torch threads {args.threads}")
-    print(f"{'preset':6s} {'clients':>7s} {'pack':>4s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-          f"{'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
+    print(f"{'preset':6s} {'clients':>7s} {'backend':>9s} {'pack':>4s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} "
+          f"{'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
     rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
     rows += [("http", x) for x in results.get("http_tiny", [])]
     for name, x in rows:
-        print(f"{name:6s} {x['clients']:7d} {x.get('prefill_batch', '-'):>4} {x['requests']:4d} "
+        print(f"{name:6s} {x['clients']:7d} {x.get('backend', '-'):>9s} {x.get('prefill_batch', '-'):>4} "
+              f"{x['requests']:4d} "
               f"{x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
               f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
     for p, r in results["presets"].items():

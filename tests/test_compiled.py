@@ -67,6 +67,7 @@ def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(tiny):
         model.set_numerics(plain.with_compile())
         engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
         assert [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)] == want
+        assert model._decode_graph().steps > 0  # its decode steps (paged caches, batches of 1-4) ran as graphs
     finally:
         model.set_numerics(FP32)
 

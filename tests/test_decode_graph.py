@@ -77,7 +77,7 @@ def test_the_static_step_writes_a_row_at_its_own_position(tiny):
         caches.append(cache)
     both = [type(caches[0]).concat(caches) for _ in range(2)]
     for c in both[1].compressed.values():
-        c.reserve(64)
+        c.reserve(64, torch.div(both[1].pos, c.partial_kv.shape[1], rounding_mode="floor"))
     token = torch.tensor([[7], [9]])
     want = model.decode(token.view(-1), both[0], engram=memory.prepare(token, both[0]))
     got = model.static_decode(token, both[1], memory.prepare(token, both[1]))
@@ -99,7 +99,6 @@ def test_steps_that_cannot_be_one_graph_say_why(tiny):
     assert graph.why_not(cache, None, None, False, None) is None
     assert "probe" in graph.why_not(cache, None, object(), False, None)
     assert "ExpertSource" in graph.why_not(cache, None, None, False, object())
-    assert "paged" in graph.why_not(_paged_cache(model), None, None, False, None)
 
 
 def test_stored_weights_run_decode_on_the_per_kernel_path():
@@ -109,12 +108,6 @@ def test_stored_weights_run_decode_on_the_per_kernel_path():
     assert DecodeGraph(model).why_not(cache, None, None, False, None) == '"stored" weight residency'
     model.set_weight_residency("dequantized")
     assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
-
-
-def _paged_cache(model):
-    from openflash.engine.cache import CacheFactory
-
-    return CacheFactory.create(model.cfg).empty(1)
 
 
 @needs_cxx

@@ -208,6 +208,14 @@ class BlockPool:
         for name, value in self.layout.encode(kv, index_k).items():
             self.planes[name][blocks, offsets] = value.to(self.planes[name].dtype)
 
+    def store_where(self, keep: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor,
+                    index_k: torch.Tensor) -> None:
+        """`store` of the entries where keep [B, G] is set, the others rewritten with what they hold (a masked
+        write with no data-dependent shape: a whole-step graph's)."""
+        for name, value in self.layout.encode(kv, index_k).items():
+            plane = self.planes[name]
+            plane[blocks, offsets] = torch.where(keep.unsqueeze(-1), value.to(plane.dtype), plane[blocks, offsets])
+
     def gather(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk])."""
         B, nb = table.shape
@@ -265,27 +273,34 @@ class PagedCompressedCache:
         rows_c, entries_c = rows.cpu(), entries.cpu()
         slot = entries_c // bs
         self._ensure_blocks(rows_c, slot)
-        blocks = self.table[rows_c, slot]
-        shared = self.pool.refcount[blocks] > 1
-        if bool(shared.any()):
-            # Copy-on-write: this row appends into a block a cached prefix (or another row) still holds.
-            for r, s in {(int(r), int(s)) for r, s in zip(rows_c[shared], slot[shared])}:
-                old = int(self.table[r, s])
-                if int(self.pool.refcount[old]) > 1:
-                    self.table[r, s] = self.pool.copy_block(old)
-                    self.pool.decref(torch.tensor([old]))
-            blocks = self.table[rows_c, slot]
+        blocks = self._unshare(rows_c, slot)
         self.pool.store(blocks.to(self.pool.device), (entries_c % bs).to(self.pool.device), kv, index_k)
 
     @property
     def capacity(self) -> int:
         return int(self.table.shape[1]) * self.pool.block_size
 
+    def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
+        """The block of each row's next entry allocated (and copied if shared: copy-on-write now, not in the step),
+        the table padded with the zero block to `capacity` entries."""
+        bs = self.pool.block_size
+        rows = torch.arange(self.batch_size)
+        slot = torch.div(next_entries.cpu(), bs, rounding_mode="floor")
+        self._ensure_blocks(rows, slot)
+        self._unshare(rows, slot)
+        width = max(-(-capacity // bs), self.table.shape[1])
+        if width > self.table.shape[1]:
+            self.table = torch.cat((self.table, self.table.new_zeros(self.batch_size, width - self.table.shape[1])),
+                                   dim=1)
+
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:
-        # Block tables grow on the host: the selected write (a whole-step graph runs on dense caches only).
-        b_idx, g_idx = complete.nonzero(as_tuple=True)
-        self.write(b_idx, entries[b_idx, g_idx], kv[b_idx, g_idx], index_k[b_idx, g_idx])
+        # The blocks were allocated and unshared by `reserve`; the zero block is never a write's target.
+        rows = torch.arange(entries.shape[0], device=entries.device).unsqueeze(1)
+        bs = self.pool.block_size
+        blocks = self.table.to(entries.device)[rows, torch.div(entries, bs, rounding_mode="floor")]
+        self.pool.store_where(complete, blocks.to(self.pool.device), (entries % bs).to(self.pool.device), kv,
+                              index_k)
 
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk]); rows with fewer read zeros."""
@@ -305,6 +320,20 @@ class PagedCompressedCache:
         rollback_compressed(self, self.partial_kv.shape[1], to_pos)
 
     # ---- block bookkeeping ----------------------------------------------------------------------------------
+    def _unshare(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Copy-on-write: table[rows, slot] made private where a cached prefix (or another row) still holds the
+        block a row is about to write into; returns the blocks."""
+        blocks = self.table[rows, slot]
+        shared = self.pool.refcount[blocks] > 1
+        if bool(shared.any()):
+            for r, s in {(int(r), int(s)) for r, s in zip(rows[shared], slot[shared])}:
+                old = int(self.table[r, s])
+                if int(self.pool.refcount[old]) > 1:
+                    self.table[r, s] = self.pool.copy_block(old)
+                    self.pool.decref(torch.tensor([old]))
+            blocks = self.table[rows, slot]
+        return blocks
+
     def _ensure_blocks(self, rows: torch.Tensor, slot: torch.Tensor) -> None:
         have = (self.table > 0).sum(dim=1).tolist()
         need: dict[int, int] = {}
@@ -387,6 +416,15 @@ class PackedWindowCache:
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Store tokens at slot position % W; only the last W of a chunk survive."""
         window = self.codes.shape[1]
+        if positions.shape[1] <= window:  # distinct slots per row: a masked write (as WindowCache.write)
+            rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+            slots = positions % window
+            codes, scales = formats.encode_window_fp8(kv.float())
+            keep = valid.unsqueeze(-1)
+            self.codes[rows, slots] = torch.where(keep, codes, self.codes[rows, slots])
+            self.scales[rows, slots] = torch.where(keep, scales, self.scales[rows, slots])
+            self.pos[rows, slots] = torch.where(valid, positions, self.pos[rows, slots])
+            return
         keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - window)
         b_idx, s_idx = keep.nonzero(as_tuple=True)
         slots = positions[b_idx, s_idx] % window

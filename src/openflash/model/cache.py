@@ -74,12 +74,16 @@ class CompressedStore(Protocol):
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
 
-    capacity: int  # entries each row can hold without growing
+    capacity: int  # entries each row can read (`read(capacity)`) without growing
+
+    def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
+        """Before a whole-step graph (model/decode_graph.py): room for `capacity` entries per row, and for the
+        entry next_entries[b] that row b's open group will write, so the step itself allocates nothing."""
 
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:
-        """Store the complete ones of a chunk's groups (entry ids [B, G], distinct per row, all below `capacity`)
-        by a masked write: shapes do not depend on which groups completed."""
+        """Store the complete ones of a step's groups (entry ids [B, G], distinct per row, reserved) by a masked
+        write: shapes do not depend on which groups completed."""
 
     def select(self, rows: torch.Tensor) -> "CompressedStore": ...
 
@@ -259,10 +263,11 @@ class CompressedCache:
         self.kv[rows, entries] = torch.where(keep, kv.to(self.kv.dtype), self.kv[rows, entries])
         self.index_k[rows, entries] = torch.where(keep, index_k.to(self.index_k.dtype), self.index_k[rows, entries])
 
-    def reserve(self, entries: int) -> None:
-        """Grow to exactly `entries` per row if it holds fewer (a whole-step graph's bucketed capacity)."""
-        if entries > self.capacity:
-            self.ensure_capacity(entries, exact=True)
+    def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
+        """Grow to exactly `capacity` entries per row if it holds fewer (a whole-step graph's bucketed capacity,
+        which covers next_entries)."""
+        if capacity > self.capacity:
+            self.ensure_capacity(capacity, exact=True)
 
     def ensure_capacity(self, needed: int, exact: bool = False) -> None:
         cap = self.kv.shape[1]

@@ -14,12 +14,16 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
-Shapes are static (`dynamic=False`): one graph per batch size and per compressed capacity. The capacity grows in
-powers of two from CAPACITY_TOKENS (reserved before the step, the only host read: the largest position), so a
-generation of n tokens compiles about log2(n / CAPACITY_TOKENS) + 1 graphs, each cached on disk by inductor.
+Shapes: the first graph is specialised to its shapes; the first time a dimension changes (the batch size as an
+engine's running set changes, the compressed capacity, the engine's block pool) dynamo recompiles with that
+dimension symbolic (`dynamic=None`), after which it no longer recompiles: a server compiles about three graphs, a
+`generate` one or two. Before each step the caches are reserved on the host (the only host read is the largest
+position): the compressed capacity in power-of-two buckets of tokens from CAPACITY_TOKENS, and in the engine's paged
+stores the block each row's open group writes into, allocated and unshared (copy-on-write) there, not in the step.
+Compiled code is cached on disk by inductor.
 
-Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, steps with a probe, images,
-drafter taps or an ExpertSource, paged engine caches, "stored" weight residency (no fp32 copies to gather).
+Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
+a step), steps with a probe, images or an ExpertSource, "stored" weight residency (no fp32 copies to gather).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from openflash.model.cache import CompressedCache, ModelCache, WindowCache
+from openflash.model.cache import ModelCache
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
 from openflash.model.moe import MoE
@@ -69,9 +73,8 @@ class DecodeGraph:
         # the cache and the inputs (shapes, dtypes) stay.
         own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")
         self._step: Callable[..., torch.Tensor] = torch.compile(
-            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=False,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                     **({"cpp_wrapper": True} if __import__("os").environ.get("CPPW") else {})})
+            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized]
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
         self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
@@ -87,9 +90,6 @@ class DecodeGraph:
             reason = "routed experts from an ExpertSource"
         elif cache.replay is not None:
             reason = "a pending bounded-replay prefill"
-        elif not all(isinstance(w, WindowCache) for w in cache.window) or \
-                not all(isinstance(c, CompressedCache) for c in cache.compressed.values()):
-            reason = "paged cache stores"
         elif not all(m.fp32_resident for m in self._linears):
             reason = '"stored" weight residency'
         if reason is not None and reason not in self._noted:
@@ -124,7 +124,7 @@ class DecodeGraph:
         tokens = max(CAPACITY_TOKENS, 1 << int(cache.pos.max()).bit_length())  # > the step's position
         for store in cache.compressed.values():
             ratio = store.partial_kv.shape[1]
-            store.reserve(-(-tokens // ratio))
+            store.reserve(-(-tokens // ratio), torch.div(cache.pos, ratio, rounding_mode="floor"))
 
 
 def _decode(model: "Transformer", input_ids: torch.Tensor, cache: ModelCache,
