@@ -109,10 +109,11 @@ def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens
     try:
         for (be, _), engine in engines.items():
             model.set_numerics(numerics[be])
-            # Warm-up at the largest level: the compiled backend's graphs for every batch size and the grown block
-            # pool are built here, not inside a measurement.
+            # Warm-up at every level, largest first: the compiled backend's graphs (batch size 1 is a graph of its
+            # own; larger ones share a symbolic one) and the grown block pool are built here, not in a measurement.
             start = time.perf_counter()
-            closed_loop(engine, max(levels), max(levels), prompt_len, 4, seed=10_000)
+            for c in sorted(levels, reverse=True):
+                closed_loop(engine, c, c, prompt_len, 4, seed=10_000 + c)
             print(f"  warm-up ({be}): {time.perf_counter() - start:.1f} s", flush=True)
         rows = []
         for c in levels:
