@@ -52,8 +52,7 @@ def _decode_run(model, memory, ids: torch.Tensor, steps: int, static_eager: bool
 
 
 def test_the_shape_static_step_equals_the_eager_step(tiny, monkeypatch):
-    """Past compressed group boundaries, the window and a capacity bucket, on a batch whose rows sit at different
-    positions (masked writes per row)."""
+    """Past compressed group boundaries, the window and a capacity bucket, for one row and for a batch of two."""
     model, memory = tiny
     monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
     model.set_numerics(PLAIN)

@@ -10,7 +10,8 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
   (the indexer's visibility mask; top-k over the fixed width picks the same entries, the rest become -1);
 - cache writes are masked writes (window ring slot = position % window; compressed groups where complete);
 - routed experts run per (token, slot) pair on weights gathered by expert id (`MoE._routed_gathered`), from an fp32
-  stack of the experts kept beside them.
+  stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: this path is for
+  models that fit; a model with offloaded or "stored" experts decodes on the per-kernel path).
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
