@@ -29,7 +29,7 @@ import torch
 from openflash import formats
 from openflash.config import FlashConfig, LayerMode
 from openflash.errors import OpenflashError
-from openflash.model.cache import (InputHistory, ModelCache, WindowCache, concat_inputs, draft_rings,
+from openflash.model.cache import (InputHistory, ModelCache, WindowCache, concat_inputs, draft_rings, masked_put,
                                    rollback_compressed)
 
 KV_STORAGES = ("fp32", "packed")
@@ -214,7 +214,7 @@ class BlockPool:
         write with no data-dependent shape: a whole-step graph's)."""
         for name, value in self.layout.encode(kv, index_k).items():
             plane = self.planes[name]
-            plane[blocks, offsets] = torch.where(keep.unsqueeze(-1), value.to(plane.dtype), plane[blocks, offsets])
+            masked_put(plane, (blocks, offsets), keep, value)
 
     def gather(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk])."""
@@ -288,10 +288,7 @@ class PagedCompressedCache:
         slot = torch.div(next_entries.cpu(), bs, rounding_mode="floor")
         self._ensure_blocks(rows, slot)
         self._unshare(rows, slot)
-        width = max(-(-capacity // bs), self.table.shape[1])
-        if width > self.table.shape[1]:
-            self.table = torch.cat((self.table, self.table.new_zeros(self.batch_size, width - self.table.shape[1])),
-                                   dim=1)
+        self._widen(-(-capacity // bs))
 
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:
@@ -320,6 +317,12 @@ class PagedCompressedCache:
         rollback_compressed(self, self.partial_kv.shape[1], to_pos)
 
     # ---- block bookkeeping ----------------------------------------------------------------------------------
+    def _widen(self, width: int) -> None:
+        """The block table at least `width` blocks wide, padded with the zero block."""
+        if width > self.table.shape[1]:
+            self.table = torch.cat((self.table, self.table.new_zeros(self.batch_size, width - self.table.shape[1])),
+                                   dim=1)
+
     def _unshare(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Copy-on-write: table[rows, slot] made private where a cached prefix (or another row) still holds the
         block a row is about to write into; returns the blocks."""
@@ -342,10 +345,7 @@ class PagedCompressedCache:
                 need[r] = s + 1
         if not need:
             return
-        width = max(need.values())
-        if width > self.table.shape[1]:
-            self.table = torch.cat((self.table, self.table.new_zeros(self.batch_size, width - self.table.shape[1])),
-                                   dim=1)
+        self._widen(max(need.values()))
         for r, stop in need.items():
             self.table[r, have[r]:stop] = torch.tensor(self.pool.allocate(stop - have[r]), dtype=torch.long)
 
@@ -420,10 +420,9 @@ class PackedWindowCache:
             rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
             slots = positions % window
             codes, scales = formats.encode_window_fp8(kv.float())
-            keep = valid.unsqueeze(-1)
-            self.codes[rows, slots] = torch.where(keep, codes, self.codes[rows, slots])
-            self.scales[rows, slots] = torch.where(keep, scales, self.scales[rows, slots])
-            self.pos[rows, slots] = torch.where(valid, positions, self.pos[rows, slots])
+            masked_put(self.codes, (rows, slots), valid, codes)
+            masked_put(self.scales, (rows, slots), valid, scales)
+            masked_put(self.pos, (rows, slots), valid, positions)
             return
         keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - window)
         b_idx, s_idx = keep.nonzero(as_tuple=True)

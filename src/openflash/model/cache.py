@@ -171,6 +171,13 @@ def rollback_compressed(store: Any, ratio: int, to_pos: torch.Tensor) -> None:
         store.partial_kv, store.partial_score = store.inputs.rollback(to_pos, ratio)
 
 
+def masked_put(t: torch.Tensor, index: tuple[torch.Tensor, ...], keep: torch.Tensor, value: torch.Tensor) -> None:
+    """t[index] = value where keep (broadcast over trailing dims), the rest rewritten with what it holds: a cache
+    write whose shapes do not depend on which entries are kept (index: distinct positions)."""
+    keep = keep.view(*keep.shape, *([1] * (value.dim() - keep.dim())))
+    t[index] = torch.where(keep, value.to(t.dtype), t[index])
+
+
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, rows)
 
@@ -205,8 +212,8 @@ class WindowCache:
             # data-dependent shapes (a decode step stays one graph, model/decode_graph.py).
             rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
             slots = positions % window
-            self.kv[rows, slots] = torch.where(valid.unsqueeze(-1), kv.to(self.kv.dtype), self.kv[rows, slots])
-            self.pos[rows, slots] = torch.where(valid, positions, self.pos[rows, slots])
+            masked_put(self.kv, (rows, slots), valid, kv)
+            masked_put(self.pos, (rows, slots), valid, positions)
             return
         keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - window)
         b_idx, s_idx = keep.nonzero(as_tuple=True)
@@ -259,9 +266,8 @@ class CompressedCache:
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:
         rows = torch.arange(entries.shape[0], device=entries.device).unsqueeze(1)
-        keep = complete.unsqueeze(-1)
-        self.kv[rows, entries] = torch.where(keep, kv.to(self.kv.dtype), self.kv[rows, entries])
-        self.index_k[rows, entries] = torch.where(keep, index_k.to(self.index_k.dtype), self.index_k[rows, entries])
+        masked_put(self.kv, (rows, entries), complete, kv)
+        masked_put(self.index_k, (rows, entries), complete, index_k)
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
         """Grow to exactly `capacity` entries per row if it holds fewer (a whole-step graph's bucketed capacity,

@@ -246,16 +246,14 @@ class MoE(nn.Module, NumericsMixin):
         through its expert's weights gathered by id, so no shape depends on the routing (quantization and rounding
         points of `Expert.swiglu`; the pairs summed in slot order, as there)."""
         n = self.numerics
+        N, k = ids.shape
         w1, w3, w2 = self.stacked_experts()
+        pair = ids.flatten()
         first = self.experts[0]
-        act_quant = first.w1.quantized and n.act_quant
-        xin = formats.act_quant_qdq(x) if act_quant else x
-        gate = n.round(torch.einsum("nd,nkid->nki", xin, w1[ids])).float().clamp(max=first.limit)
-        up = n.round(torch.einsum("nd,nkid->nki", xin, w3[ids])).float().clamp(-first.limit, first.limit)
-        act = n.round(weights.unsqueeze(-1) * (F.silu(gate) * up))
-        act = formats.act_quant_qdq(act) if act_quant else act
-        out = n.round(torch.einsum("nki,nkdi->nkd", act, w2[ids])).float()
-        return n.round(out.sum(1) + self.shared_experts(x).float())
+        # Each pair is its own one-row "expert" of batched_swiglu: [N * k, 1, dim] through its gathered weights.
+        out = batched_swiglu(x.repeat_interleave(k, dim=0).unsqueeze(1), weights.reshape(-1, 1), w1[pair],
+                             w3[pair], w2[pair], first.limit, first.w1.quantized and n.act_quant, n)
+        return n.round(out.view(N, k, -1).sum(1) + self.shared_experts(x).float())
 
     def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        counts: torch.Tensor) -> torch.Tensor:
