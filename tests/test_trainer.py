@@ -3,6 +3,7 @@ indexer warm-up, checkpoints and the CLI."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -16,6 +17,7 @@ from conftest import WithEngram
 
 from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
+from openflash.commands.train import train as train_command
 from openflash.errors import OpenflashError
 from openflash.manifest import MANIFEST_FILE, verify_manifest
 from openflash.memory.placement import EngramMemory
@@ -315,6 +317,34 @@ def test_run_folder_errors(dataset: Path, tmp_path: Path) -> None:
         TrainConfig(data="d", out="o", steps=5, indexer_warmup=5)
     with pytest.raises(OpenflashError, match="no prepared dataset"):
         Trainer(TrainConfig(**SMALL_RUN, data=str(tmp_path / "nothing"), out=str(tmp_path / "x")))
+
+
+def test_compiled_training_matches_eager(dataset: Path, tmp_path: Path, monkeypatch) -> None:
+    """`train --compile`: each block one graph (no break: the MoE runs between graphs), the same losses and
+    gradient norms as the eager run, evaluation eager (no second set of graphs). The graphs run on "aot_eager"
+    here (dynamo's capture and AOTAutograd's derived backward, eager kernels: seconds instead of minutes of C++
+    codegen); benchmarks/train_speed.py --backends eager compiled checks inductor's kernels the same way."""
+    from torch._dynamo.utils import counters
+
+    from openflash.model import compiled_blocks
+
+    monkeypatch.setattr(compiled_blocks, "BACKEND", "aot_eager")
+    run = dict(steps=2, eval_every=1, save_every=0)
+    _, eager = _fit(dataset, tmp_path / "eager", **run)
+    counters.clear()
+    trainer, compiled = _fit(dataset, tmp_path / "compiled", compile=True, **run)
+    assert trainer.model.numerics.compiled
+    assert counters["stats"]["unique_graphs"] == len(trainer.model.layers) and not counters["graph_break"]
+    (eager1, eager2), (compiled1, compiled2) = eager, compiled
+    assert compiled1["loss"] == pytest.approx(eager1["loss"], rel=1e-5)
+    assert compiled1["grad_norm"] == pytest.approx(eager1["grad_norm"], rel=1e-4)
+    # Adam's first update is about lr * sign(gradient): where a gradient entry is near 0, a last-bit difference
+    # flips its step, so the second step agrees less closely.
+    assert compiled2["loss"] == pytest.approx(eager2["loss"], rel=1e-3)
+    with pytest.raises(OpenflashError, match="--compile builds its kernels for one thread count"):
+        TrainConfig(data="d", out="o", compile=True, adaptive_threads=True)
+    with pytest.raises(OpenflashError, match="--compile compiles the main model's training"):
+        train_command(argparse.Namespace(dspark=True, vision_data=None, compile=True))
 
 
 def test_cli_train(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     train.add_argument("--seed", type=int, default=0, help="random seed")
+    train.add_argument("--compile", action="store_true",
+                       help="each block's forward and backward through torch.compile, same math (needs a C++ "
+                            "compiler; the first step compiles for minutes, cached on disk by inductor; gain and cost "
+                            "in docs/benchmarks.md)")
     train.add_argument("--dspark", action="store_true",
                        help="train a DSpark drafter for the --init model (its backbone frozen); --out: the checkpoint "
                             "folder written")

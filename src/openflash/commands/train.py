@@ -90,6 +90,9 @@ def train(args: argparse.Namespace) -> int:
     `openflash train --dspark --init RUN --out DIR`: a drafter for a trained model."""
     if args.dspark and args.vision_data:
         raise OpenflashError("--dspark and --vision-data are separate runs; give one")
+    if args.compile and (args.dspark or args.vision_data):
+        raise OpenflashError("--compile compiles the main model's training (openflash train --data ...); "
+                             "--dspark and --vision-data run eagerly")
     if args.dspark:
         return train_dspark(args)
     if args.vision_data:

@@ -280,7 +280,9 @@ class Attention(nn.Module, NumericsMixin):
         cos, sin = self.rotary.angles(entry_pos)
         kv = self.numerics.compressed_kv(self.numerics.round(self.rotary.apply(latent, cos, sin)))
         if state is None:
-            n = int(complete[0].sum())  # a training sequence starts at 0: complete groups form a prefix
+            # A training sequence starts at position 0: its complete groups are the first S // ratio (from the
+            # shape, not a host read of `complete`, which would break a compiled graph).
+            n = ctx.positions.shape[1] // ratio
             view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
         elif ctx.static:  # the cache's whole capacity, entries past `length` masked by their readers
             state.write_groups(entry_ids, complete, kv.detach(), index_k.detach())
@@ -460,10 +462,10 @@ def _indexer_kl(index_scores: torch.Tensor, picks: torch.Tensor, p_selected: tor
     target = p_selected.detach().sum(dim=2).masked_fill(~valid, 0.0)
     total = target.sum(-1, keepdim=True)
     rows = (total.squeeze(-1) > 0) & valid.any(-1)
-    if not rows.any():
-        return index_scores.sum() * 0.0
     target = target / total.clamp(min=1e-30)
     scores = index_scores.gather(-1, picks.clamp(min=0)).masked_fill(~valid, float("-inf"))
     log_q = F.log_softmax(scores.float(), dim=-1).masked_fill(~valid, 0.0)
     kl = (target * (torch.log(target.clamp(min=1e-30)) - log_q)).masked_fill(~valid, 0.0).sum(-1)
-    return kl[rows].mean()
+    # The mean over the rows that attended an entry, as a masked sum (0 when none did): no data-dependent shape
+    # or branch, so a compiled training forward does not break here.
+    return kl.masked_fill(~rows, 0.0).sum() / rows.sum().clamp(min=1)

@@ -40,7 +40,17 @@ class Block(nn.Module, NumericsMixin):
 
     def forward(self, residual: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One path for every numerics: the policy's mHC kernels (model/mhc.py HcKernels) do the stream work."""
+        """One path for every numerics: the policy's mHC kernels (model/mhc.py HcKernels) do the stream work.
+        Returns the streams after the block and its FFN pre (the next sublayer's read weights)."""
+        r1, ffn_in, f_pre, f_post, f_comb = self.attend(residual, pre_in, ctx)
+        return self.feed_forward(ffn_in, r1, f_post, f_comb, ctx, image_mask), f_pre
+
+    # The block in two halves, split where the routing's data-dependent shapes begin, so that a compiled training
+    # forward compiles the first whole (model/compiled_blocks.py).
+    def attend(self, residual: torch.Tensor, pre_in: torch.Tensor,
+               ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        """The attention sublayer in its mHC, then the FFN sublayer's stream read: (streams after attention, the
+        FFN's normed input, its pre, post and comb mixes)."""
         hc = hc_kernels(self.numerics)
         m, u = hc.read(residual, pre_in, self.hc_attn_fn)  # pre_in: the previous sublayer's pre
         a_pre, a_post, a_comb = hc.coefficients(m, self.hc_attn_base, self.hc_attn_scale, self.hc, self.iters,
@@ -48,5 +58,9 @@ class Block(nn.Module, NumericsMixin):
         r1 = hc.write(self.attn(self.attn_norm(u), ctx), residual, a_post, a_comb)
         m, v = hc.read(r1, a_pre, self.hc_ffn_fn)
         f_pre, f_post, f_comb = hc.coefficients(m, self.hc_ffn_base, self.hc_ffn_scale, self.hc, self.iters, self.eps)
-        r2 = hc.write(self.ffn(self.ffn_norm(v), ctx, image_mask), r1, f_post, f_comb)
-        return r2, f_pre
+        return r1, self.ffn_norm(v), f_pre, f_post, f_comb
+
+    def feed_forward(self, ffn_in: torch.Tensor, r1: torch.Tensor, f_post: torch.Tensor, f_comb: torch.Tensor,
+                     ctx: StepContext, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """The MoE on the FFN's input, written into the streams."""
+        return hc_kernels(self.numerics).write(self.ffn(ffn_in, ctx, image_mask), r1, f_post, f_comb)

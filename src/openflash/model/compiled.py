@@ -25,8 +25,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -39,6 +41,15 @@ F = TypeVar("F", bound=Callable)
 def compiled(fn: F) -> F:
     """fn through torch.compile, one compiled wrapper per function (compiled lazily, at its first call)."""
     return torch.compile(fn, dynamic=None)  # type: ignore[return-value]
+
+
+@contextmanager
+def quiet_lru_cache_warnings() -> Iterator[None]:
+    """Tracing a model passes through the kernel sets' lru_cache'd getters (pure functions of the numerics
+    policy), which dynamo warns about generically at each: silence that one warning while a graph traces."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+        yield
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -60,4 +71,4 @@ def check_toolchain(device: str | torch.device) -> None:
                              f"not on PATH (install g++, or set CXX), or run without --compile")
 
 
-__all__ = ["compiled", "rowwise", "check_toolchain"]
+__all__ = ["compiled", "rowwise", "check_toolchain", "quiet_lru_cache_warnings"]

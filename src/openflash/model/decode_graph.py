@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import logging
 import types
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from openflash.model.cache import ModelCache
+from openflash.model.compiled import quiet_lru_cache_warnings
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
 from openflash.model.moe import MoE
@@ -102,10 +102,7 @@ class DecodeGraph:
         """Logits [B, V] of one decode step (input_ids [B, 1]), the cache advanced by one token."""
         rows = self.prepare(cache, engram)
         self.steps += 1
-        with warnings.catch_warnings():
-            # Tracing passes through the kernel sets' lru_cache'd getters: pure functions of the numerics policy,
-            # which dynamo warns about generically.
-            warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+        with quiet_lru_cache_warnings():
             return self._step(self.model, input_ids, cache, rows)
 
     def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:

@@ -46,8 +46,12 @@ def top_entries_select(scores: torch.Tensor, k: int, n_visible: torch.Tensor) ->
     above = scores > threshold
     tied = scores == threshold
     room = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
-    picks = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)  # row-major: each row's ids ascending
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
+    # The k chosen ids ascending without a data-dependent shape (nonzero would break a compiled graph): rank them
+    # by T - id, largest first.
+    T = scores.shape[-1]
+    rank = torch.where(chosen, torch.arange(T, 0, -1, device=scores.device), 0)
+    picks = T - torch.topk(rank, k, dim=-1).values
     return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
 
 

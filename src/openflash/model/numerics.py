@@ -50,9 +50,9 @@ class Numerics:
 
     def with_compile(self, on: bool = True) -> "Numerics":
         """This policy on the compiled backend (or back on the eager one)."""
-        if on and (self.bf16_boundaries or self.straight_through):
-            raise OpenflashError(f"the compiled backend serves the fp32 and plain inference numerics, not "
-                                 f"{self.name!r}")
+        if on and self.bf16_boundaries:
+            raise OpenflashError(f"the compiled backend serves the fp32, plain and train numerics, not "
+                                 f"{self.name!r} (its bf16 rounding points are the reference's eager ops)")
         return replace(self, compiled=on)
 
     def round(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from openflash.config import FlashConfig
 from openflash.model import dspark
 from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer
+from openflash.model.compiled_blocks import CompiledBlock
 from openflash.model.context import CompressedView, Probe, StepContext
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.dspark import DSparkStage
@@ -90,6 +91,8 @@ class Transformer(nn.Module):
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
         # The compiled backend's whole-step decode graphs (model/decode_graph.py), one per numerics policy.
         self._graphs: dict[Numerics, DecodeGraph] = {}
+        # The compiled backend's training forward: each block's forward compiled on its own (compiled_blocks.py).
+        self._compiled_blocks: list[CompiledBlock] | None = None
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def set_numerics(self, numerics: Numerics) -> "Transformer":
@@ -166,8 +169,11 @@ class Transformer(nn.Module):
         return residual, pre
 
     def _layers(self, residual: torch.Tensor, pre: torch.Tensor, layers: range, ctx: StepContext,
-                engram: EngramRows | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                engram: EngramRows | None, image_mask: torch.Tensor | None,
+                forwards: Sequence[Block | CompiledBlock] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forwards: what runs each block (default: the blocks themselves)."""
         token_mask = None if image_mask is None else ~image_mask
+        forwards = self.layers if forwards is None else forwards
         hints = ctx.experts is not None and ctx.experts.prefetching and \
             residual.shape[0] * residual.shape[1] <= PREFETCH_TOKENS
         for i in layers:
@@ -182,7 +188,7 @@ class Transformer(nn.Module):
                 self._hint_experts(residual, pre, [j for j in (i, i + 1) if j in layers], ctx.experts)
             if i in ctx.taps:  # DSpark's input: the mean of the streams entering a target layer (spec B.2)
                 ctx.taps[i] = self.numerics.round(residual.float().mean(2))
-            residual, pre = block(residual, pre, ctx, image_mask)
+            residual, pre = forwards[i](residual, pre, ctx, image_mask)
             ctx.put(f"block{i}.pre", pre)  # the collapse weights a read-out after this block would use
             ctx.put(f"block{i}.out", residual)
             residual = ctx.forced(f"block{i}.out", residual)
@@ -211,13 +217,16 @@ class Transformer(nn.Module):
                 images: ImageRows | None = None,
                 probe: Probe | None = None, hidden: bool = False) -> ForwardOutput:
         """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it;
-        images: the rows of the image-span positions, from `encode_image`, which stays in autograd)."""
+        images: the rows of the image-span positions, from `encode_image`, which stays in autograd). On the compiled
+        backend a training-mode forward runs each block compiled (model/compiled_blocks.py); an eval-mode one (a
+        validation pass) runs the eager kernels rather than compile a second set of graphs for a few batches."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
                           taps=self._taps() if hidden else {})
         residual, pre = self.streams(input_ids, images)
-        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images))
+        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images),
+                                     self._blocks_compiled() if self.numerics.compiled and self.training else None)
         logits = self._logits(residual, pre, ctx)
         loss = None
         if targets is not None:
@@ -320,6 +329,11 @@ class Transformer(nn.Module):
         if self.numerics not in self._graphs:
             self._graphs[self.numerics] = DecodeGraph(self)
         return self._graphs[self.numerics]
+
+    def _blocks_compiled(self) -> list[CompiledBlock]:
+        if self._compiled_blocks is None:
+            self._compiled_blocks = [CompiledBlock(block, f"block_{i}_attend") for i, block in enumerate(self.layers)]
+        return self._compiled_blocks
 
     def _taps(self) -> dict[int, torch.Tensor | None]:
         if self.cfg.dspark is None:

@@ -43,6 +43,8 @@ from openflash.errors import OpenflashError
 from openflash.manifest import write_manifest
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
+from openflash.model.compiled import check_toolchain
+from openflash.model.numerics import TRAIN
 from openflash.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
@@ -90,6 +92,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -107,6 +110,10 @@ class TrainConfig:
             raise OpenflashError(f"--max-minutes must be positive, got {self.max_minutes}")
         if self.steps_from_budget and self.max_minutes is None:
             raise OpenflashError("a time-budgeted run needs max_minutes")
+        if self.compile and self.adaptive_threads:
+            # Inductor's CPU kernels fix their thread count when they are built: re-picking it would not reach them.
+            raise OpenflashError("--compile builds its kernels for one thread count; it cannot run with adaptive "
+                                 "threads (set the count with OMP_NUM_THREADS instead)")
 
 
 @dataclass
@@ -166,7 +173,9 @@ class Trainer:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
         torch.manual_seed(cfg.seed)
-        self.model = build_model(self.model_cfg, "train").train()
+        if cfg.compile:
+            check_toolchain("cpu")
+        self.model = build_model(self.model_cfg, TRAIN.with_compile(cfg.compile)).train()
         # The model's own tables, addressed through the data's tokenizer; gathered inside autograd.
         self.memory = EngramMemory.attach(self.model, "device", tokenizer=load_tokenizer(self.tokenizer_path))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
