@@ -1,7 +1,7 @@
 """Training speed on this machine: tokens/s and MFU of full training steps (forward, backward, optimizer).
 
     python benchmarks/train_speed.py [--presets tiny small] [--batch-size 8] [--seq-len 256] [--steps 6]
-                                     [--threads N] [--backends eager compiled]
+                                     [--threads N] [--backends eager compiled] [--profile]
 
 MFU = achieved model FLOP/s / peak. Model FLOPs per token = 6 x active params (matrices only; no token embedding,
 no Engram tables, routed experts counted at top-k / n_experts) + attention (scores and value mixing over the
@@ -118,7 +118,8 @@ def backend_parity(a: tuple, b: tuple) -> dict:
             "routed_pairs": int(loads_a.sum())}
 
 
-def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: list[str]) -> list[dict]:
+def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: list[str],
+                 profile: bool = False) -> list[dict]:
     """One row per backend. The backends share one model and alternate step by step (the machine may be shared:
     interleaving exposes both to the same load); the compiled backend compiles in its warm-up steps."""
     torch.manual_seed(0)
@@ -152,6 +153,14 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: li
             f, bw, o = _train_step(model, memory, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
             for key, value in zip(times[b], (f, bw, o, f + bw + o)):
                 times[b][key].append(value)
+    if profile:
+        for b in backends:
+            model.set_numerics(numerics[b])
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for i in range(2):
+                    _train_step(model, memory, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
+            print(f"{preset} {b}: top ops of 2 training steps by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
     tokens_per_step = batch * seq_len
     active = active_matrix_params(model)
     flops_per_token = 6 * active + attention_flops_per_token(cfg, seq_len)
@@ -189,6 +198,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["eager"], choices=["eager", "compiled"],
                         help="eager: the train policy as the trainer runs it by default; compiled: `openflash train "
                              "--compile` (each block through torch.compile); several alternate step by step")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the torch.profiler table of the top ops of 2 steps per backend")
     parser.add_argument("--out", default=str(RESULTS / "train_speed.json"))
     args = parser.parse_args()
     if args.threads:
@@ -196,7 +207,8 @@ def main() -> None:
     # The machine may be shared: the peak is the best of measurements before and after the runs.
     peak = matmul_peak()
     rows = [row for preset in args.presets
-            for row in bench_preset(preset, args.batch_size, args.seq_len, args.steps, args.backends)]
+            for row in bench_preset(preset, args.batch_size, args.seq_len, args.steps, args.backends,
+                                    args.profile)]
     peak = max(peak, matmul_peak())
     print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     for row in rows:
