@@ -1,6 +1,6 @@
 """The training forward compiled block by block: the compiled backend of `openflash train --compile`.
 
-A training step of the eager `train` policy spends about a third of its time outside the matmuls, in hundreds of
+A training step of the eager `train` policy spends about 40% of its time outside the matmuls, in hundreds of
 small elementwise ops per layer (mHC's streams and Sinkhorn, RMSNorm, RoPE, the indexer's scores and its KL, the
 straight-through cache QDQs), each run forward and again backward. torch.compile traces each block's forward
 into graphs and AOTAutograd derives their backward, so inductor fuses those chains in both directions.
@@ -14,8 +14,9 @@ recompiles them until dynamo's recompile limit (8) sends the rest back to eager.
 object of its own, so each has its own cache of graphs.
 
 The math is the eager `train` policy's, the same ops through the same fused autograd functions; only the
-summation order inside a fused reduction can differ in the last bits (tests/test_compiled.py compares losses and
-gradients with a tolerance). Compilation happens at the first training step (minutes on a CPU; cached on disk by
+summation order inside a fused reduction can differ in the last bits, which can flip a near-tie choice (an expert,
+an indexer pick): tests/test_trainer.py compares a compiled run's loss and gradient norm with a tolerance,
+benchmarks/train_speed.py also the gradients and the routing. Compilation happens at the first training step (minutes on a CPU; cached on disk by
 inductor, so the next run loads it).
 """
 
