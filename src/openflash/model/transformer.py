@@ -219,7 +219,7 @@ class Transformer(nn.Module):
         """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it;
         images: the rows of the image-span positions, from `encode_image`, which stays in autograd). On the compiled
         backend a training-mode forward runs each block compiled (model/compiled_blocks.py); an eval-mode one (a
-        validation pass) runs the eager kernels rather than compile a second set of graphs for a few batches."""
+        validation pass) runs the blocks themselves rather than compile a second set of graphs for a few batches."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
