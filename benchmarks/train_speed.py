@@ -215,11 +215,11 @@ def main() -> None:
         row["mfu"] = row["model_flops_per_s"] / peak
         row["mfu_best_step"] = row["model_flops_per_token"] * row["batch_size"] * row["seq_len"] / (
             row["step_seconds_best"] * peak)
-    print(f"{'preset':8s} {'backend':9s} {'batch x seq':>12s} {'warm-up s':>9s} {'step s':>7s} {'fwd':>6s} {'bwd':>6s} "
-          f"{'opt':>6s} {'tokens/s':>9s} {'MFLOP/tok':>10s} {'GFLOP/s':>8s} {'MFU':>6s} {'best step':>10s}")
+    print(f"{'preset':8s} {'backend':9s} {'batch x seq':>12s} {'warm-up s':>9s} {'step s':>7s} {'fwd':>6s} "
+          f"{'bwd':>6s} {'opt':>6s} {'tokens/s':>9s} {'MFLOP/tok':>10s} {'GFLOP/s':>8s} {'MFU':>6s} {'best step':>10s}")
     for r in rows:
-        print(f"{r['preset']:8s} {r['backend']:9s} {r['batch_size']:>5d} x {r['seq_len']:<5d} {r['warmup_seconds']:9.1f} "
-              f"{r['step_seconds_median']:7.2f} {r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} "
+        print(f"{r['preset']:8s} {r['backend']:9s} {r['batch_size']:>5d} x {r['seq_len']:<5d} "
+              f"{r['warmup_seconds']:9.1f} {r['step_seconds_median']:7.2f} {r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} "
               f"{r['optimizer_seconds']:6.2f} {r['tokens_per_s']:9.0f} {r['model_flops_per_token'] / 1e6:10.1f} "
               f"{r['model_flops_per_s'] / 1e9:8.1f} {100 * r['mfu']:5.1f}% {100 * r['mfu_best_step']:9.1f}%")
     print("(step s, fwd, bwd, opt, tokens/s and MFU are medians over the timed steps; 'best step' is the MFU of the "

@@ -345,6 +345,9 @@ def test_compiled_training_matches_eager(dataset: Path, tmp_path: Path, monkeypa
         TrainConfig(data="d", out="o", compile=True, adaptive_threads=True)
     with pytest.raises(OpenflashError, match="--compile compiles the main model's training"):
         train_command(argparse.Namespace(dspark=True, vision_data=None, compile=True))
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(OpenflashError, match="--compile needs a C\\+\\+ compiler .*'no-such-c\\+\\+' is not on PATH"):
+        Trainer(TrainConfig(**SMALL_RUN, data=str(dataset), out=str(tmp_path / "no_cxx"), compile=True))
 
 
 def test_cli_train(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -16,8 +16,8 @@ object of its own, so each has its own cache of graphs.
 The math is the eager `train` policy's, the same ops through the same fused autograd functions; only the
 summation order inside a fused reduction can differ in the last bits, which can flip a near-tie choice (an expert,
 an indexer pick): tests/test_trainer.py compares a compiled run's loss and gradient norm with a tolerance,
-benchmarks/train_speed.py also the gradients and the routing. Compilation happens at the first training step (minutes on a CPU; cached on disk by
-inductor, so the next run loads it).
+benchmarks/train_speed.py also the gradients and the routing. Compilation happens at the first training step
+(minutes on a CPU; cached on disk by inductor, so the next run loads it).
 """
 
 from __future__ import annotations
