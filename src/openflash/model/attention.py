@@ -20,7 +20,7 @@ from torch import nn
 
 from openflash.config import FlashConfig, LayerMode, LayerTopology
 from openflash.model.cache import CompressedCache
-from openflash.model.compiled import compiled
+from openflash.model.compiled import compiled, matmul_unshared
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
@@ -388,6 +388,8 @@ class AttentionKernels:
         return sparse_attention(*args)
 
     def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+        if o.shape[0] * o.shape[1] == 1:  # one token: each group's weight meets one row (matmul_unshared)
+            return matmul_unshared(o.reshape(o.shape[2], 1, o.shape[3]), wo_a).view(*o.shape[:3], wo_a.shape[1])
         return torch.einsum("bsgd,grd->bsgr", o, wo_a)
 
 

@@ -58,6 +58,24 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return compiled(fn)(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
+def matmul_unshared(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., 1, in] @ w [..., out, in]^T -> [..., 1, out], for weights that each meet one row (a batch-1 linear,
+    the decode graph's gathered experts). In a graph compiled for the CPU it is a multiply-and-sum, which inductor
+    turns into one streaming reduction loop: a one-row GEMM is bound by reading its weight from DRAM, and the BLAS
+    call reached 6-8 GB/s there against 16 GB/s for the generated loop (2.8x on 256 x 256 weights; docs/
+    benchmarks.md). Elsewhere (eager, CUDA: not measured) the plain matmul."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        return (x.unsqueeze(-2) * w.unsqueeze(-3)).sum(-1)
+    return torch.matmul(x, w.transpose(-1, -2))
+
+
+def graph_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (no bias), through `matmul_unshared` when x is a single row."""
+    if x.numel() == x.shape[-1]:
+        return matmul_unshared(x.reshape(1, -1), w).view(*x.shape[:-1], w.shape[0])
+    return torch.nn.functional.linear(x, w)
+
+
 def check_toolchain(device: str | torch.device) -> None:
     """Refuse up front, with what to do, when torch.compile cannot build kernels for `device` here: inductor
     compiles C++ for the CPU (the compiler in $CXX, else g++) and Triton kernels for CUDA."""
@@ -71,4 +89,4 @@ def check_toolchain(device: str | torch.device) -> None:
                              f"not on PATH (install g++, or set CXX), or run without --compile")
 
 
-__all__ = ["compiled", "rowwise", "check_toolchain", "quiet_lru_cache_warnings"]
+__all__ = ["compiled", "rowwise", "matmul_unshared", "graph_linear", "check_toolchain", "quiet_lru_cache_warnings"]

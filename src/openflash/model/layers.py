@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash import formats
-from openflash.model.compiled import rowwise
+from openflash.model.compiled import graph_linear, rowwise
 from openflash.model.numerics import FP32, Numerics
 
 
@@ -175,7 +175,7 @@ class LayerKernels:
             x = self.act_quant(x)
         if layer.fp32_resident:
             w = layer.dequantized_weight()
-            y = F.linear(x.to(w.dtype), w)
+            y = graph_linear(x.to(w.dtype), w)
         else:
             y = _tiled_linear(layer, x)
         return y if layer.exact_fp32 else layer.numerics.round(y)

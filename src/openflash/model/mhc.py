@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
-from openflash.model.compiled import compiled
+from openflash.model.compiled import compiled, graph_linear
 from openflash.model.numerics import Numerics
 
 _RMS_EPS = 1e-20  # of the per-token RMS over all hc*D residual values
@@ -31,7 +30,7 @@ def hc_projection(residual: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     x = residual.flatten(-2).float()
     # One RMS scalar per token over all hc*D values, applied after the projection (same math as before it).
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
-    return F.linear(x, fn.float()) * r
+    return graph_linear(x, fn.float()) * r
 
 
 def coefficients_from_projection(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,

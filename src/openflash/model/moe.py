@@ -17,7 +17,7 @@ from torch import nn
 
 from openflash import formats
 from openflash.config import FlashConfig
-from openflash.model.compiled import compiled
+from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
@@ -58,7 +58,7 @@ class Gate(nn.Module):
 
     def forward(self, v: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] fp32, expert ids [N, k]) for tokens v [N, D]."""
-        scores = torch.sqrt(F.softplus(F.linear(v.float(), self.weight.float()) / self.temp))
+        scores = torch.sqrt(F.softplus(graph_linear(v.float(), self.weight.float()) / self.temp))
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
@@ -275,12 +275,14 @@ def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: 
                    limit: float, act_quant: bool, n: Numerics) -> torch.Tensor:
     """`Expert.swiglu` over U experts at once: x [U, C, dim] (C padded rows each), routing weights [U, C], stacked
     weights [U, out, in]; the same quantization and rounding points."""
+    # One row per expert (the decode graph's gathered pairs): each weight meets one row, see matmul_unshared.
+    mm = matmul_unshared if x.shape[1] == 1 else (lambda a, w: torch.bmm(a, w.transpose(1, 2)))
     xin = formats.act_quant_qdq(x) if act_quant else x
-    gate = n.round(torch.bmm(xin.to(w1.dtype), w1.transpose(1, 2))).float().clamp(max=limit)
-    up = n.round(torch.bmm(xin.to(w3.dtype), w3.transpose(1, 2))).float().clamp(-limit, limit)
+    gate = n.round(mm(xin.to(w1.dtype), w1)).float().clamp(max=limit)
+    up = n.round(mm(xin.to(w3.dtype), w3)).float().clamp(-limit, limit)
     act = n.round(weight.unsqueeze(-1) * (F.silu(gate) * up))
     act = formats.act_quant_qdq(act) if act_quant else act
-    return n.round(torch.bmm(act.to(w2.dtype), w2.transpose(1, 2))).float()
+    return n.round(mm(act.to(w2.dtype), w2)).float()
 
 
 # ---- the kernels of each numerics policy (chosen once: moe_kernels) ---------------------------------------------
