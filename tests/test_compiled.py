@@ -97,3 +97,20 @@ def test_prefill_batch_must_be_positive(tiny):
     model, tok, _ = tiny
     with pytest.raises(OpenflashError, match="prefill_batch must be >= 1, got 0"):
         LLMEngine(model, tok, EngineConfig(prefill_batch=0))
+
+
+def test_one_row_gemms_in_a_graph_are_the_matmul():
+    """`graph_linear` / `matmul_unshared` take the multiply-and-sum form only while a graph traces (dynamo with
+    AOTAutograd's eager kernels here: the form itself, not inductor's code for it), for a single row or one row
+    per weight, and equal the matmul to fp32 rounding; several rows share a weight through the plain GEMM."""
+    from openflash.model.compiled import graph_linear, matmul_unshared
+    g = torch.Generator().manual_seed(0)
+    w, experts = torch.randn(48, 64, generator=g), torch.randn(5, 48, 64, generator=g)
+    one, many, pairs = (torch.randn(shape, generator=g) for shape in ((1, 1, 64), (3, 1, 64), (5, 1, 64)))
+    traced = torch.compile(lambda a, b, c: (graph_linear(a, w), graph_linear(b, w), matmul_unshared(c, experts)),
+                           backend="aot_eager", fullgraph=True)
+    got = traced(one, many, pairs)
+    want = (one @ w.t(), many @ w.t(), torch.bmm(pairs, experts.transpose(1, 2)))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,8 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
 - routed experts run per (token, slot) pair on weights gathered by expert id (`MoE._routed_gathered`), from an fp32
   stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: this path is for
   models that fit; a model with offloaded or "stored" experts decodes on the per-kernel path).
+GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
+the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, the gather fused into its loads.
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
