@@ -388,7 +388,7 @@ class AttentionKernels:
         return sparse_attention(*args)
 
     def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        if o.shape[0] * o.shape[1] == 1:  # one token: each group's weight meets one row (matmul_unshared)
+        if o.shape[0] * o.shape[1] == 1:  # one token: each group's weight meets one row, see matmul_unshared
             return matmul_unshared(o.reshape(o.shape[2], 1, o.shape[3]), wo_a).view(*o.shape[:3], wo_a.shape[1])
         return torch.einsum("bsgd,grd->bsgr", o, wo_a)
 

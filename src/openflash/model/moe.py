@@ -275,14 +275,13 @@ def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: 
                    limit: float, act_quant: bool, n: Numerics) -> torch.Tensor:
     """`Expert.swiglu` over U experts at once: x [U, C, dim] (C padded rows each), routing weights [U, C], stacked
     weights [U, out, in]; the same quantization and rounding points."""
-    # One row per expert (the decode graph's gathered pairs): each weight meets one row, see matmul_unshared.
-    mm = matmul_unshared if x.shape[1] == 1 else (lambda a, w: torch.bmm(a, w.transpose(1, 2)))
+    # matmul_unshared: with one row per expert (the decode graph's gathered pairs) each weight meets one row.
     xin = formats.act_quant_qdq(x) if act_quant else x
-    gate = n.round(mm(xin.to(w1.dtype), w1)).float().clamp(max=limit)
-    up = n.round(mm(xin.to(w3.dtype), w3)).float().clamp(-limit, limit)
+    gate = n.round(matmul_unshared(xin.to(w1.dtype), w1)).float().clamp(max=limit)
+    up = n.round(matmul_unshared(xin.to(w3.dtype), w3)).float().clamp(-limit, limit)
     act = n.round(weight.unsqueeze(-1) * (F.silu(gate) * up))
     act = formats.act_quant_qdq(act) if act_quant else act
-    return n.round(mm(act.to(w2.dtype), w2)).float()
+    return n.round(matmul_unshared(act.to(w2.dtype), w2)).float()
 
 
 # ---- the kernels of each numerics policy (chosen once: moe_kernels) ---------------------------------------------
