@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if min(args.rows) < 1 or args.repeats < 1:
+        parser.error(f"--rows and --repeats must be >= 1 (got --rows {args.rows}, --repeats {args.repeats})")
     print(f"{torch.get_num_threads()} threads")
     print(f"{'in x out':>12}{'rows':>6}{'BLAS us':>10}{'GB/s':>7}{'reduction us':>14}{'GB/s':>7}{'speed-up':>10}")
     rows_out = []

@@ -62,7 +62,7 @@ def matmul_unshared(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., M, in] @ w [..., out, in]^T -> [..., M, out]. Where each weight meets one row (M = 1: a batch-1
     linear, the decode graph's gathered experts) in a graph compiled for the CPU, a multiply-and-sum, which inductor
     turns into one streaming reduction loop: a one-row GEMM is bound by reading its weight from DRAM, and the BLAS
-    call streamed 5-8 GB/s there against 13-29 GB/s for the generated loop (2.2-3.9x on a `small` decode's weight
+    call streamed 4-8 GB/s there against 13-29 GB/s for the generated loop (2.2-3.9x on a `small` decode's weight
     shapes, benchmarks/one_row_gemm.py). Elsewhere (eager, CUDA: not measured) the plain matmul."""
     if x.shape[-2] == 1 and torch.compiler.is_compiling() and x.device.type == "cpu":
         return (x.unsqueeze(-2) * w.unsqueeze(-3)).sum(-1)
