@@ -1,7 +1,7 @@
 """Serving benchmark: throughput and latency of the engine and the HTTP server, prefix caching, prefill modes.
 
     python benchmarks/serve.py [--presets tiny small] [--levels 1 4 16 64] [--threads 1] [--skip-http]
-                               [--backends eager compiled]
+                               [--backends eager compiled] [--prefill-batch 1 16] [--step-tokens 512 1024]
 
 Presets run with random weights (throughput does not depend on the weights) and the default fp32 numerics;
 prompts are random token ids below 1000 (valid for both presets), completions have a fixed length (ignore_eos).
@@ -95,36 +95,42 @@ def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int,
             "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
 
 
-def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int,
-                      prefill_batches: list[int], backends: list[str]) -> list[dict]:
-    """Each level run on one engine per (backend, prefill_batch), back to back (variants side by side); the model's
-    numerics switch to each engine's backend before it runs."""
+def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int, prefill_batches: list[int],
+                      step_tokens: list[int], backends: list[str]) -> tuple[list[dict], dict]:
+    """Each level run on one engine per (backend, prefill_batch, max_step_tokens), back to back (variants side by
+    side); the model's numerics switch to each engine's backend before it runs. Returns the rows and, per backend,
+    the warm-up's seconds and decode graphs (compiled backend)."""
     numerics = {"eager": FP32, "compiled": FP32.with_compile()}
-    engines = {(be, b): LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096,
-                                                           prefill_chunk=128, max_step_tokens=512, prefix_cache=False,
-                                                           prefill_batch=b))
-               for be in backends for b in prefill_batches}
+    engines = {(be, b, st): LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096,
+                                                               prefill_chunk=128, max_step_tokens=st,
+                                                               prefix_cache=False, prefill_batch=b))
+               for be in backends for b in prefill_batches for st in step_tokens}
+    warm: dict[str, dict] = {}
     for engine in engines.values():
         engine.start()
     try:
-        for (be, _), engine in engines.items():
+        for (be, _, _), engine in engines.items():
             model.set_numerics(numerics[be])
             # Warm-up at every level, largest first: the compiled backend's graphs (batch size 1 is a graph of its
             # own; larger ones share a symbolic one) and the grown block pool are built here, not in a measurement.
             start = time.perf_counter()
             for c in sorted(levels, reverse=True):
                 closed_loop(engine, c, c, prompt_len, 4, seed=10_000 + c)
-            print(f"  warm-up ({be}): {time.perf_counter() - start:.1f} s", flush=True)
+            seconds = time.perf_counter() - start
+            warm.setdefault(be, {"seconds": 0.0})["seconds"] += seconds
+            warm[be]["decode_graph"] = model.decode_graph_stats()
+            print(f"  warm-up ({be}): {seconds:.1f} s, decode graph {warm[be]['decode_graph']}", flush=True)
         rows = []
         for c in levels:
             requests = max(4, c) if c < 64 else c  # bounded: every client sends 1-4 requests
-            for (be, b), engine in engines.items():
+            for (be, b, st), engine in engines.items():
                 model.set_numerics(numerics[be])
-                rows.append({"backend": be, "prefill_batch": b,
+                rows.append({"backend": be, "prefill_batch": b, "max_step_tokens": st,
                              **closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c)})
-                print(f"  {c:3d} clients, {be}, prefill_batch {b:2d}: {rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT "
-                      f"p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms", flush=True)
-        return rows
+                print(f"  {c:3d} clients, {be}, prefill_batch {b:2d}, step tokens {st}: "
+                      f"{rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms",
+                      flush=True)
+        return rows, warm
     finally:
         model.set_numerics(FP32)
         for engine in engines.values():
@@ -289,6 +295,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (engine and HTTP server)")
     ap.add_argument("--prefill-batch", nargs="+", type=int, default=[1, 16],
                     help="engine prefill_batch values compared side by side (the last one is the default's figures)")
+    ap.add_argument("--step-tokens", nargs="+", type=int, default=[512],
+                    help="engine max_step_tokens values compared side by side (the last one is the default's figures)")
     ap.add_argument("--backends", nargs="+", default=["eager"], choices=["eager", "compiled"],
                     help="engine backends compared side by side in the concurrency part (compiled: --compile)")
     ap.add_argument("--skip-http", action="store_true")
@@ -304,10 +312,11 @@ def main() -> None:
         loaded = open_model(preset)
         model, tok = loaded.model, loaded.tokenizer
         r: dict = {}
-        r["concurrency"] = bench_concurrency(model, tok, args.levels, args.prompt_len, args.max_tokens,
-                                             args.prefill_batch, args.backends)
-        main_rows = [x for x in r["concurrency"]
-                     if x["prefill_batch"] == args.prefill_batch[-1] and x["backend"] == args.backends[0]]
+        r["concurrency"], r["warm_up"] = bench_concurrency(model, tok, args.levels, args.prompt_len,
+                                                           args.max_tokens, args.prefill_batch, args.step_tokens,
+                                                           args.backends)
+        main_rows = [x for x in r["concurrency"] if x["prefill_batch"] == args.prefill_batch[-1]
+                     and x["max_step_tokens"] == args.step_tokens[-1] and x["backend"] == args.backends[0]]
         one = next((x for x in main_rows if x["clients"] == 1), None)
         sixteen = next((x for x in main_rows if x["clients"] == 16), None)
         if one and sixteen:
@@ -325,13 +334,14 @@ def main() -> None:
         results["http_tiny"] = bench_http(args.levels, args.prompt_len, args.max_tokens, args.threads)
 
     print(f"\nload average at start {results['load_average_at_start']}, torch threads {args.threads}")
-    print(f"{'preset':6s} {'clients':>7s} {'backend':>9s} {'pack':>4s} {'req':>4s} {'tok/s':>8s} {'TTFT p50':>9s} "
+    print(f"{'preset':6s} {'clients':>7s} {'backend':>9s} {'pack':>4s} {'step':>5s} {'req':>4s} {'tok/s':>8s} "
+          f"{'TTFT p50':>9s} "
           f"{'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
     rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
     rows += [("http", x) for x in results.get("http_tiny", [])]
     for name, x in rows:
         print(f"{name:6s} {x['clients']:7d} {x.get('backend', '-'):>9s} {x.get('prefill_batch', '-'):>4} "
-              f"{x['requests']:4d} "
+              f"{x.get('max_step_tokens', '-'):>5} {x['requests']:4d} "
               f"{x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
               f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
     for p, r in results["presets"].items():

@@ -18,7 +18,9 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
+from openflash.model import decode_graph
 from openflash.model.numerics import FP32, NUMERICS
+from openflash.serve.metrics import render
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # Inductor builds C++ for the CPU: where no compiler is installed, --compile refuses (tested below) and these skip.
@@ -56,18 +58,26 @@ def test_compiled_logits_match_eager_through_prefill_and_decode(tiny):
 
 
 @needs_cxx
-def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(tiny):
+def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(tiny, monkeypatch):
+    """A batch of 4 on paged caches whose capacity, block tables and block pool grow while it decodes: they are
+    symbolic sizes, so the only recompile is where the capacity first exceeds index_topk (model/decode_graph.py;
+    without them symbolic, the table widening and the pool doubling recompile too)."""
     model, tok, _ = tiny
+    monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
     plain = NUMERICS["plain"]
-    prompts = [[5 + i] * n for i, n in enumerate((7, 19, 19, 33))]
-    params = SamplingParams(max_tokens=6)
+    prompts = [[5 + i] * n for i, n in enumerate((7, 12, 12, 14))]
+    params = SamplingParams(max_tokens=12)
     try:
         model.set_numerics(plain)
         want = [generate(model, tok, p, params).token_ids for p in prompts]
         model.set_numerics(plain.with_compile())
-        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False,
+                                                    kv_block_size=1))
         assert [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)] == want
-        assert model._decode_graph().steps > 0  # its decode steps (paged caches, batches of 1-4) ran as graphs
+        graph = engine.stats()["decode_graph"]
+        assert graph["steps"] > 0 and engine.factory.pool.num_blocks > 64  # graphs ran; the pool grew past 64 blocks
+        assert graph["graphs"] <= 2, graph
+        assert f"openflash_decode_graphs_compiled_total {graph['graphs']}" in render(engine)
     finally:
         model.set_numerics(FP32)
 

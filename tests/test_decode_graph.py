@@ -122,6 +122,7 @@ def test_the_decode_graph_matches_eager_with_no_graph_break(tiny, monkeypatch):
         got = _decode_run(model, memory, ids, 12)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         assert model._decode_graph().steps == 12
+        assert model._decode_graph().graphs == 1  # the capacity grew from 16 to 32 tokens without a recompile
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:
         model.set_numerics(PLAIN)

@@ -288,7 +288,10 @@ class PagedCompressedCache:
         slot = torch.div(next_entries.cpu(), bs, rounding_mode="floor")
         self._ensure_blocks(rows, slot)
         self._unshare(rows, slot)
-        self._widen(-(-capacity // bs))
+        self._widen(max(2, -(-capacity // bs)))  # >= 2: a graph's symbolic width (growing_dims), not 1
+
+    def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.table, 1)] + [(plane, 0) for plane in self.pool.planes.values()]
 
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:

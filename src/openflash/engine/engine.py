@@ -435,6 +435,7 @@ class LLMEngine:
             "engram": self._engram_stats,
             "experts": self._expert_stats,
             "regroups": self.runner.regroups,
+            "decode_graph": self.model.decode_graph_stats(),
             "config": asdict(self.config),
         }
         return out

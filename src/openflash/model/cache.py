@@ -80,6 +80,10 @@ class CompressedStore(Protocol):
         """Before a whole-step graph (model/decode_graph.py): room for `capacity` entries per row, and for the
         entry next_entries[b] that row b's open group will write, so the step itself allocates nothing."""
 
+    def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, dim) pairs whose size grows over a sequence's or a server's life (the capacity, a shared
+        pool): a whole-step graph compiles them as symbolic sizes rather than once per size."""
+
     def write_groups(self, entries: torch.Tensor, complete: torch.Tensor, kv: torch.Tensor,
                      index_k: torch.Tensor) -> None:
         """Store the complete ones of a step's groups (entry ids [B, G], distinct per row, reserved) by a masked
@@ -274,6 +278,9 @@ class CompressedCache:
         which covers next_entries)."""
         if capacity > self.capacity:
             self.ensure_capacity(capacity, exact=True)
+
+    def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.kv, 1), (self.index_k, 1)]
 
     def ensure_capacity(self, needed: int, exact: bool = False) -> None:
         cap = self.kv.shape[1]

@@ -17,13 +17,16 @@ the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, 
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
-Shapes: the first graph is specialised to its shapes; the first time a dimension changes (the batch size as an
-engine's running set changes, the compressed capacity, the engine's block pool) dynamo recompiles with that
-dimension symbolic (`dynamic=None`), after which it no longer recompiles: a server compiles about three graphs, a
-`generate` one or two. Before each step the caches are reserved on the host (the only host read is the largest
-position): the compressed capacity in power-of-two buckets of tokens from CAPACITY_TOKENS, and in the engine's paged
-stores the block each row's open group writes into, allocated and unshared (copy-on-write) there, not in the step.
-Compiled code is cached on disk by inductor.
+Shapes: what grows over a run (each compressed store's capacity, the engine's block pool: `growing_dims`) is marked
+dynamic before every step, so the graph is compiled with those sizes symbolic and growth does not recompile it. The batch
+size is left to dynamo (`dynamic=None`): the first graph is specialised to its batch, the first step at another batch
+recompiles with the batch symbolic; a `generate` compiles one graph, a server two (batch 1 and every other batch;
+`graphs` and `compile_seconds` count them), and each once more where a store's capacity first exceeds what a top-k
+keeps (index_topk entries, the candidate pool's blocks): the picks' width is min(k, capacity). Before each step the
+caches are reserved on the host (the only host read is the largest position): the compressed capacity in power-of-two
+buckets of tokens from CAPACITY_TOKENS (the entries a step reads), and in the engine's paged stores the block each
+row's open group writes into, allocated and unshared (copy-on-write) there, not in the step. Compiled code is
+cached on disk by inductor.
 
 Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
 a step), steps with a probe, images or an ExpertSource, "stored" weight residency (no fp32 copies to gather).
@@ -32,6 +35,7 @@ a step), steps with a probe, images or an ExpertSource, "stored" weight residenc
 from __future__ import annotations
 
 import logging
+import time
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -83,6 +87,8 @@ class DecodeGraph:
         self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
         self._noted: set[str] = set()
         self.steps = 0  # decode steps run as one graph
+        self.graphs = 0  # graphs compiled for them (module doc: one per batch class)
+        self.compile_seconds = 0.0  # spent in the steps that compiled one (tracing and code generation)
 
     def why_not(self, cache: ModelCache, images: Any, probe: Any, hidden: bool, experts: Any) -> str | None:
         """None when the step can run as one graph, else the reason (logged once per reason)."""
@@ -104,13 +110,23 @@ class DecodeGraph:
         """Logits [B, V] of one decode step (input_ids [B, 1]), the cache advanced by one token."""
         rows = self.prepare(cache, engram)
         self.steps += 1
+        compiled, start = _graphs_compiled(), time.perf_counter()
         with quiet_lru_cache_warnings():
-            return self._step(self.model, input_ids, cache, rows)
+            logits = self._step(self.model, input_ids, cache, rows)
+        if _graphs_compiled() > compiled:  # this call compiled (nothing else compiles inside it)
+            seconds = time.perf_counter() - start
+            self.graphs += 1
+            self.compile_seconds += seconds
+            log.info("decode graph %d compiled in %.1f s (batch %d)", self.graphs, seconds, input_ids.shape[0])
+        return logits
 
     def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:
         """What the graph's body (`Transformer.static_decode`) needs before it runs: the cache's capacity
         reserved, the weight caches it reads brought up to date, the Engram rows fetched."""
         self._reserve(cache)
+        for store in cache.compressed.values():
+            for tensor, dim in store.growing_dims():
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
         for linear in self._linears:
             linear.dequantized_weight()
         for moe in self._moes:
@@ -124,7 +140,13 @@ class DecodeGraph:
         tokens = max(CAPACITY_TOKENS, 1 << int(cache.pos.max()).bit_length())  # > the step's position
         for store in cache.compressed.values():
             ratio = store.partial_kv.shape[1]
-            store.reserve(-(-tokens // ratio), torch.div(cache.pos, ratio, rounding_mode="floor"))
+            # >= 2 entries: the capacity is a symbolic size in the graph (prepare), which dynamo specialises at 1
+            store.reserve(max(2, -(-tokens // ratio)), torch.div(cache.pos, ratio, rounding_mode="floor"))
+
+
+def _graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _decode(model: "Transformer", input_ids: torch.Tensor, cache: ModelCache,

@@ -325,6 +325,14 @@ class Transformer(nn.Module):
         model/decode_graph.py compiles into one graph. Returns logits [B, V]."""
         return self._step(input_ids, cache, "exact", True, engram, None, None, False, False, static=True)[0]
 
+    def decode_graph_stats(self) -> dict[str, float] | None:
+        """The current numerics policy's whole-step decode graph: steps run, graphs compiled and the seconds the
+        compiling steps took (model/decode_graph.py); None off the compiled backend."""
+        if not self.numerics.compiled:
+            return None
+        graph = self._decode_graph()
+        return {"steps": graph.steps, "graphs": graph.graphs, "compile_seconds": graph.compile_seconds}
+
     def _decode_graph(self) -> DecodeGraph:
         if self.numerics not in self._graphs:
             self._graphs[self.numerics] = DecodeGraph(self)

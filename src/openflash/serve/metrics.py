@@ -3,8 +3,10 @@
 Latencies are histograms (seconds): time to first token, inter-token latency, end-to-end request latency, queue
 time, engine step time. Gauges: waiting / prefilling / running sequences, KV blocks in use and allocated, global
 cache bytes per token, prefix-cache and Engram row-cache hit rates (the Engram one only with a tier that has a row
-cache, e.g. disk), expert-cache hits, misses and bytes read per layer (with --expert-placement host or disk), generated tokens per second over the last 10 s. Counters: prompt tokens computed and served from
-the prefix cache, generated tokens, finished requests by reason, engine steps.
+cache, e.g. disk), expert-cache hits, misses and bytes read per layer (with --expert-placement host or disk),
+generated tokens per second over the last 10 s. Counters: prompt tokens computed and served from the prefix cache,
+generated tokens, finished requests by reason, engine steps, and on the compiled backend the decode steps run as
+one graph, the graphs compiled and the seconds spent compiling them.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ def render(engine: LLMEngine) -> str:
                  experts["cached_bytes"])
         if experts["hit_rate"] is not None:
             w.metric("expert_cache_hit_rate", "gauge", "Expert-cache hit rate.", experts["hit_rate"])
+    graph = stats["decode_graph"]
+    if graph is not None:
+        w.metric("decode_graph_steps_total", "counter", "Decode steps run as one compiled graph.", graph["steps"])
+        w.metric("decode_graphs_compiled_total", "counter", "Decode graphs compiled (batch 1 and other batches).",
+                 graph["graphs"])
+        w.metric("decode_graph_compile_seconds_total", "counter", "Seconds of the decode steps that compiled a graph.",
+                 graph["compile_seconds"])
     w.metric("generation_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
              m.tokens_per_second())
     w.metric("prompt_tokens_total", "counter", "Prompt tokens computed (prefix-cache hits excluded).",
