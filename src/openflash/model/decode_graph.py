@@ -18,15 +18,15 @@ The same eager functions are traced, so numerics are the compiled backend's: log
 rounding (tests/test_decode_graph.py).
 
 Shapes: what grows over a run (each compressed store's capacity, the engine's block pool: `growing_dims`) is marked
-dynamic before every step, so the graph is compiled with those sizes symbolic and growth does not recompile it. The batch
-size is left to dynamo (`dynamic=None`): the first graph is specialised to its batch, the first step at another batch
-recompiles with the batch symbolic; a `generate` compiles one graph, a server two (batch 1 and every other batch;
-`graphs` and `compile_seconds` count them), and each once more where a store's capacity first exceeds what a top-k
-keeps (index_topk entries, the candidate pool's blocks): the picks' width is min(k, capacity). Before each step the
-caches are reserved on the host (the only host read is the largest position): the compressed capacity in power-of-two
-buckets of tokens from CAPACITY_TOKENS (the entries a step reads), and in the engine's paged stores the block each
-row's open group writes into, allocated and unshared (copy-on-write) there, not in the step. Compiled code is
-cached on disk by inductor.
+dynamic before every step, so the graph is compiled with those sizes symbolic and growth does not recompile it. The
+batch size is left to dynamo (`dynamic=None`): the first graph is specialised to its batch, the first step at another
+batch recompiles with the batch symbolic; a `generate` compiles one graph, a server two (its first batch size, then the
+batch symbolic; `graphs` and `compile_seconds` count them), and each once more where a store's capacity first exceeds
+what a top-k keeps (index_topk entries, the candidate pool's blocks): the picks' width is min(k, capacity). Before each
+step the caches are reserved on the host (the only host read is the largest position): the compressed capacity in
+power-of-two buckets of tokens from CAPACITY_TOKENS (the entries a step reads), and in the engine's paged stores the
+block each row's open group writes into, allocated and unshared (copy-on-write) there, not in the step. Compiled code
+is cached on disk by inductor.
 
 Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
 a step), steps with a probe, images or an ExpertSource, "stored" weight residency (no fp32 copies to gather).

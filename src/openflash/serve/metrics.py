@@ -99,7 +99,7 @@ def render(engine: LLMEngine) -> str:
     graph = stats["decode_graph"]
     if graph is not None:
         w.metric("decode_graph_steps_total", "counter", "Decode steps run as one compiled graph.", graph["steps"])
-        w.metric("decode_graphs_compiled_total", "counter", "Decode graphs compiled (batch 1 and other batches).",
+        w.metric("decode_graphs_compiled_total", "counter", "Decode graphs compiled (first batch size, then symbolic).",
                  graph["graphs"])
         w.metric("decode_graph_compile_seconds_total", "counter", "Seconds of the decode steps that compiled a graph.",
                  graph["compile_seconds"])
