@@ -111,8 +111,8 @@ def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens
     try:
         for (be, _, _), engine in engines.items():
             model.set_numerics(numerics[be])
-            # Warm-up at every level, largest first: the compiled backend's graphs (batch size 1 is a graph of its
-            # own; larger ones share a symbolic one) and the grown block pool are built here, not in a measurement.
+            # Warm-up at every level, largest first: the compiled backend's graphs (its first batch size is a graph of
+            # its own, the others share a symbolic one) and the grown block pool are built here, not in a measurement.
             start = time.perf_counter()
             for c in sorted(levels, reverse=True):
                 closed_loop(engine, c, c, prompt_len, 4, seed=10_000 + c)
