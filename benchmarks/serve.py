@@ -303,6 +303,9 @@ def main() -> None:
     ap.add_argument("--concurrency-only", action="store_true", help="skip the shared-prefix and prefill-mode parts")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    for name in ("levels", "prefill_batch", "step_tokens"):
+        if min(getattr(args, name)) < 1:
+            ap.error(f"--{name.replace('_', '-')} values must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     results: dict = {"load_average_at_start": os.getloadavg(), "threads": args.threads,
                      "cpu_count": os.cpu_count(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

@@ -528,3 +528,11 @@ def test_simple_template_takes_tools_as_text_and_refuses_what_it_cannot_do(live,
         body = {"model": NAME, "messages": messages, "tools": [tool], "max_tokens": 3, **extra}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_serving_benchmark_refuses_a_step_budget_below_one():
+    """benchmarks/serve.py checks its side-by-side lists before it loads a model."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "serve.py")
+    done = subprocess.run([sys.executable, script, "--step-tokens", "512", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--step-tokens values must be >= 1, got [512, 0]" in done.stderr, done.stderr

@@ -288,7 +288,7 @@ class PagedCompressedCache:
         slot = torch.div(next_entries.cpu(), bs, rounding_mode="floor")
         self._ensure_blocks(rows, slot)
         self._unshare(rows, slot)
-        self._widen(max(2, -(-capacity // bs)))  # >= 2: a graph's symbolic width (growing_dims), not 1
+        self._widen(max(2, -(-capacity // bs)))  # at least 2 blocks (CompressedStore.reserve)
 
     def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.table, 1)] + [(plane, 0) for plane in self.pool.planes.values()]

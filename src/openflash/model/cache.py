@@ -78,7 +78,9 @@ class CompressedStore(Protocol):
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
         """Before a whole-step graph (model/decode_graph.py): room for `capacity` entries per row, and for the
-        entry next_entries[b] that row b's open group will write, so the step itself allocates nothing."""
+        entry next_entries[b] that row b's open group will write, so the step itself allocates nothing. Every size
+        in `growing_dims` is at least 2 afterwards: the graph compiles them as symbolic sizes, and dynamo
+        specialises a size of 1."""
 
     def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
         """(tensor, dim) pairs whose size grows over a sequence's or a server's life (the capacity, a shared
@@ -275,7 +277,8 @@ class CompressedCache:
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
         """Grow to exactly `capacity` entries per row if it holds fewer (a whole-step graph's bucketed capacity,
-        which covers next_entries)."""
+        which covers next_entries), at least 2 (CompressedStore.reserve)."""
+        capacity = max(2, capacity)
         if capacity > self.capacity:
             self.ensure_capacity(capacity, exact=True)
 

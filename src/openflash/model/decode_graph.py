@@ -124,9 +124,9 @@ class DecodeGraph:
         """What the graph's body (`Transformer.static_decode`) needs before it runs: the cache's capacity
         reserved, the weight caches it reads brought up to date, the Engram rows fetched."""
         self._reserve(cache)
-        for store in cache.compressed.values():
-            for tensor, dim in store.growing_dims():
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        growing = {(id(t), d): (t, d) for store in cache.compressed.values() for t, d in store.growing_dims()}
+        for tensor, dim in growing.values():  # (paged stores share one pool: its planes once)
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
         for linear in self._linears:
             linear.dequantized_weight()
         for moe in self._moes:
@@ -140,8 +140,7 @@ class DecodeGraph:
         tokens = max(CAPACITY_TOKENS, 1 << int(cache.pos.max()).bit_length())  # > the step's position
         for store in cache.compressed.values():
             ratio = store.partial_kv.shape[1]
-            # >= 2 entries: the capacity is a symbolic size in the graph (prepare), which dynamo specialises at 1
-            store.reserve(max(2, -(-tokens // ratio)), torch.div(cache.pos, ratio, rounding_mode="floor"))
+            store.reserve(-(-tokens // ratio), torch.div(cache.pos, ratio, rounding_mode="floor"))
 
 
 def _graphs_compiled() -> int:
