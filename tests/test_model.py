@@ -184,3 +184,60 @@ def test_batched_experts_match_the_per_expert_loop(storage):
             looped = moe._routed_grouped(x, weights, ids, counts, own)
             batched = moe._routed_batched(x, weights, ids, counts, own, batched_swiglu)
             torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, spare", [("exact", 0), ("bounded", 0), ("exact", 3)])
+def test_right_padded_rows_equal_each_row_on_its_own(tiny, mode, spare):
+    """Prompts of different lengths in one call (a packed prefill): rows right-padded, `lengths` saying what is
+    real. Each row's logits and everything its cache keeps equal running it alone; decoding (and rolling back)
+    continues alike. Chunks shorter and longer than the window, groups left open, rows at different positions."""
+    cfg, memory = tiny.cfg, tiny.memory
+    chunks = [(16, 3, 40), (5, 21, 9), (11, 7, 2)]  # per row: its chunk lengths, in order
+    prompts = [_ids(cfg, 1, sum(c), seed=10 + b)[0] for b, c in enumerate(chunks)]
+    batch, alone = tiny.new_cache(3, spare=spare), [tiny.new_cache(1, spare=spare) for _ in chunks]
+    done = [0, 0, 0]
+    for j in range(3):
+        sizes = [c[j] for c in chunks]
+        width = max(sizes)
+        ids = torch.stack([torch.cat((p[d:d + n], p.new_zeros(width - n))) for p, d, n in zip(prompts, done, sizes)])
+        lengths = torch.tensor(sizes)
+        last = j == 2
+        with torch.no_grad():
+            packed = tiny.model.step(ids, batch, mode=mode, last_chunk=last, lengths=lengths,
+                                     engram=memory.prepare(ids, batch, lengths=lengths))
+        for b, (p, n) in enumerate(zip(prompts, sizes)):
+            own = tiny.step(p[done[b]:done[b] + n].unsqueeze(0), alone[b], mode=mode, last_chunk=last)
+            if packed is not None or own is not None:
+                assert (packed[b] - own[0]).abs().max() < TOL, (j, b)
+            done[b] += n
+    for b, cache in enumerate(alone):
+        row = batch.select([b])
+        assert torch.equal(row.pos, cache.pos) and torch.equal(row.engram.history, cache.engram.history)
+        for i, state in cache.compressed.items():
+            assert torch.equal(row.compressed[i].length, state.length)
+            n = int(state.length.max())
+            assert torch.allclose(row.compressed[i].read(n)[0], state.read(n)[0], atol=TOL)
+            assert torch.allclose(row.compressed[i].partial_kv, state.partial_kv, atol=TOL)
+        for mine, theirs in zip(row.window, cache.window):
+            assert torch.equal(mine.pos, theirs.pos)
+            assert torch.allclose(mine.kv, theirs.kv, atol=TOL)
+    nxt = torch.stack([_ids(cfg, 1, 4, seed=20 + b)[0] for b in range(3)])  # [3, 4] decode tokens
+    for t in range(4):
+        logits = tiny.decode(nxt[:, t], batch)
+        for b, cache in enumerate(alone):
+            assert (logits[b] - tiny.decode(nxt[b:b + 1, t], cache)[0]).abs().max() < TOL, (t, b)
+    if spare:
+        batch.rollback(batch.pos - 2)
+        for b, cache in enumerate(alone):
+            cache.rollback(cache.pos - 2)
+        logits = tiny.decode(nxt[:, 2], batch)
+        for b, cache in enumerate(alone):
+            assert (logits[b] - tiny.decode(nxt[b:b + 1, 2], cache)[0]).abs().max() < TOL, b
+
+
+def test_right_padded_rows_are_checked(tiny):
+    cache = tiny.new_cache(2)
+    ids = _ids(tiny.cfg, 2, 5)
+    for bad in ([5], [0, 5], [6, 2]):
+        with pytest.raises(ValueError, match=r"lengths must hold one value in \[1, 5\] per row"):
+            tiny.model.step(ids, cache, lengths=torch.tensor(bad), engram=tiny.memory.prepare(ids, tiny.new_cache(2)))

@@ -311,9 +311,10 @@ class PagedCompressedCache:
         kv, index_k = self.pool.gather(table.to(self.pool.device))
         return kv[:, :n], index_k[:, :n]
 
-    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                        valid: torch.Tensor) -> None:
         if self.inputs is not None:
-            self.inputs.write(positions, kv, score)
+            self.inputs.write(positions, kv, score, valid)
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         """Entries past the rollback point become invisible (their blocks stay with the row and are rewritten)."""

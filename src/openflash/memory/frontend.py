@@ -46,7 +46,8 @@ class EngramFrontend:
             return None
         return cls.from_token_map(cfg, token_map) if token_map is not None else cls.for_config(cfg, tokenizer)
 
-    def hash(self, input_ids: torch.Tensor, state: EngramHashState,
-             token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
-        """Hash ids [B, S, n_engram_layers, C] of a chunk following `state`, and the state after it."""
-        return self.hasher.hash(compress(input_ids, self.token_map, token_mask), state)
+    def hash(self, input_ids: torch.Tensor, state: EngramHashState, token_mask: torch.Tensor | None = None,
+             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
+        """Hash ids [B, S, n_engram_layers, C] of a chunk following `state`, and the state after it (lengths:
+        right-padded rows, NgramHasher.hash)."""
+        return self.hasher.hash(compress(input_ids, self.token_map, token_mask), state, lengths)

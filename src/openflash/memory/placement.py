@@ -241,15 +241,16 @@ class EngramMemory:
         """The hash history a sequence starts with: max_ngram - 1 ids, plus the cache's rollback room."""
         return EngramHashState.empty(batch_size, self.frontend.hasher.history_len + cache.spare, device)
 
-    def _hash(self, input_ids: torch.Tensor, state: EngramHashState,
-              image_mask: torch.Tensor | None) -> tuple[torch.Tensor, EngramHashState]:
-        return self.frontend.hash(input_ids, state, None if image_mask is None else ~image_mask)
+    def _hash(self, input_ids: torch.Tensor, state: EngramHashState, image_mask: torch.Tensor | None,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, EngramHashState]:
+        return self.frontend.hash(input_ids, state, None if image_mask is None else ~image_mask, lengths)
 
-    def prepare(self, input_ids: torch.Tensor, cache: HashedSequences,
-                image_mask: torch.Tensor | None = None) -> EngramRows | None:
+    def prepare(self, input_ids: torch.Tensor, cache: HashedSequences, image_mask: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> EngramRows | None:
         """The EngramRows of a prefill chunk or decode step [B, S] following `cache`: hashes the tokens (advancing
         `cache.engram`, created here at a sequence's first call) and starts gathering the rows. Pass the result
-        to `model.step(..., engram=...)`. None for a model without Engram layers."""
+        to `model.step(..., engram=...)`. None for a model without Engram layers. lengths: right-padded rows
+        (Transformer.step), whose history advances by lengths[b] tokens."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(1)
         speculation = self._speculation
@@ -264,7 +265,7 @@ class EngramMemory:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {input_ids.shape[0]} rows")
         before = cache.engram if cache.engram is not None else self._new_history(input_ids.shape[0], cache,
                                                                                   input_ids.device)
-        hash_ids, cache.engram = self._hash(input_ids, before, image_mask)
+        hash_ids, cache.engram = self._hash(input_ids, before, image_mask, lengths)
         self._stats.steps += 1
         if speculation is not None:
             rows = self._use_speculation(speculation, input_ids, before, hash_ids, image_mask)

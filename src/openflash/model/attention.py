@@ -48,20 +48,24 @@ class Compressor(nn.Module, NumericsMixin):
             self.wgate = Linear(cfg.hidden_size, cfg.head_dim, exact_fp32=True)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                state: CompressedCache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(latents [B, G, D], entry ids [B, G], complete [B, G]) for the groups this chunk touches."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: CompressedCache | None,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(latents [B, G, D], entry ids [B, G], complete [B, G]) for the groups this chunk touches. lengths: row
+        b's real tokens (right-padded rows, StepContext.lengths); a group is complete only with real tokens."""
         B, S, _ = x.shape
         r = self.ratio
+        valid = torch.ones_like(positions, dtype=torch.bool) if lengths is None else \
+            torch.arange(S, device=x.device) < lengths.unsqueeze(1)
         if r == 1:
             latent = self.norm(self.wkv(x))
-            return latent, positions, torch.ones_like(positions, dtype=torch.bool)
+            return latent, positions, valid
         kv, score = self.wkv(x.float()), self.wgate(x.float())
         if state is not None:
-            state.remember_inputs(positions, kv, score)  # kept only with rollback room (ModelCache.spare)
+            state.remember_inputs(positions, kv, score, valid)  # kept only with rollback room (ModelCache.spare)
         start = positions[:, 0]
         shift = start % r if state is not None else torch.zeros_like(start)
-        fill = shift + S
+        # Padding sits after a row's real tokens: it completes no group and stays out of the open one.
+        fill = shift + (S if lengths is None else lengths)
         # Groups this chunk can touch: shift < r, so at most ceil((S + r - 1) / r) (an empty trailing group pools
         # zeros and is not complete). A bound from the shape alone: no host read of the positions.
         groups = -(-(S + (r - 1 if state is not None else 0)) // r)
@@ -273,7 +277,7 @@ class Attention(nn.Module, NumericsMixin):
         """Compress this chunk, store new entries (cache) and publish the readable view in ctx."""
         ratio = self.topo.compress_ratio
         state = ctx.cache.compressed[self.topo.index] if ctx.cache is not None else None
-        latent, entry_ids, complete = self.compressor(x, ctx.positions, state)
+        latent, entry_ids, complete = self.compressor(x, ctx.positions, state, ctx.lengths)
         entry_pos = entry_ids * ratio  # a latent stands for the first token of its group
         # Detached: the indexer learns only from its own KL term, never through the compressor (§5.6, §5.8).
         index_k = self.indexer.index_keys(latent.detach(), entry_pos)
@@ -286,14 +290,14 @@ class Attention(nn.Module, NumericsMixin):
             view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
         elif ctx.static:  # the cache's whole capacity, entries past `length` masked by their readers
             state.write_groups(entry_ids, complete, kv.detach(), index_k.detach())
-            state.length = visible_entries(ctx.positions[:, -1], ratio)
+            state.length = visible_entries(ctx.last_positions, ratio)
             view = CompressedView(*state.read(state.capacity), state.length)
         else:
             b_idx, g_idx = complete.nonzero(as_tuple=True)
             state.write(b_idx, entry_ids[b_idx, g_idx], kv[b_idx, g_idx].detach(), index_k[b_idx, g_idx].detach())
             if b_idx.numel():
                 ctx.cache.index_k_publisher = self.topo.index
-            state.length = visible_entries(ctx.positions[:, -1], ratio)
+            state.length = visible_entries(ctx.last_positions, ratio)
             view = CompressedView(*state.read(int(state.length.max())), state.length)
         ctx.compressed[self.topo.index] = view
 
@@ -351,7 +355,7 @@ class Attention(nn.Module, NumericsMixin):
         if index_scores is not None and self.training:
             ctx.indexer_losses.append(_indexer_kl(index_scores, picks, p_selected))
         if ctx.cache is not None:
-            ctx.cache.window[topo.index].write(kv.detach(), pos, torch.ones_like(pos, dtype=torch.bool))
+            ctx.cache.window[topo.index].write(kv.detach(), pos, ctx.valid)
         return self.output(o, cos, sin)
 
 

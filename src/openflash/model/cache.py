@@ -96,9 +96,10 @@ class CompressedStore(Protocol):
     @classmethod
     def concat(cls, stores: list[Any]) -> "CompressedStore": ...
 
-    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """Keep the compressor's raw inputs of the last tokens (only with spare rollback room), so that a rollback
-        can reopen a group that has since completed."""
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                        valid: torch.Tensor) -> None:
+        """Keep the compressor's raw inputs of the last tokens (only with spare rollback room; `valid` [B, S]: the
+        real ones, not a packed call's padding), so that a rollback can reopen a group that has since completed."""
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         """Return to the state after to_pos[b] tokens: fewer entries, the open group rebuilt."""
@@ -124,9 +125,10 @@ class InputHistory:
                    torch.full((batch_size, capacity, dim), float("-inf"), device=device),
                    torch.full((batch_size, capacity), -1, dtype=torch.long, device=device))
 
-    def write(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+    def write(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep the inputs of the real (`valid`) positions; only the last `capacity` of a chunk survive."""
         cap = self.pos.shape[1]
-        keep = positions > positions.amax(dim=1, keepdim=True) - cap  # only the last `cap` of a chunk survive
+        keep = valid & (positions > positions.masked_fill(~valid, -1).amax(dim=1, keepdim=True) - cap)
         b_idx, s_idx = keep.nonzero(as_tuple=True)
         slots = positions[b_idx, s_idx] % cap
         self.kv[b_idx, slots] = kv[b_idx, s_idx].detach().float()
@@ -295,9 +297,10 @@ class CompressedCache:
         self.index_k = torch.cat(
             (self.index_k, self.index_k.new_zeros(self.index_k.shape[0], grow, self.index_k.shape[2])), dim=1)
 
-    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+    def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                        valid: torch.Tensor) -> None:
         if self.inputs is not None:
-            self.inputs.write(positions, kv, score)
+            self.inputs.write(positions, kv, score, valid)
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         rollback_compressed(self, self.partial_kv.shape[1], to_pos)
@@ -326,32 +329,84 @@ class CompressedCache:
 
 @dataclass
 class ReplayBuffer:
-    """Decoder-half input of the most recent prompt positions (bounded replay, architecture.md §7.3)."""
+    """Decoder-half input of the most recent prompt positions (bounded replay, architecture.md §7.3). Rows are
+    right-padded where they hold fewer (packed prompts of different lengths): row b's first lengths[b] entries."""
 
     residual: torch.Tensor  # [B, n, hc, D]
     pre_mix: torch.Tensor  # [B, n, hc]
     positions: torch.Tensor  # [B, n]
     image_mask: torch.Tensor  # [B, n] bool: image-span positions (their MoE routing uses bias_vl)
+    lengths: torch.Tensor | None = None  # [B] real entries per row; None: all n (set in __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            B, n = self.positions.shape
+            self.lengths = torch.full((B,), n, dtype=torch.long, device=self.positions.device)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row holds fewer entries than the buffer's width (a host read)."""
+        return bool((self.lengths < self.positions.shape[1]).any())
 
     def clone(self) -> "ReplayBuffer":
         return ReplayBuffer(self.residual.clone(), self.pre_mix.clone(), self.positions.clone(),
-                            self.image_mask.clone())
+                            self.image_mask.clone(), self.lengths.clone())
 
     def select(self, rows: torch.Tensor) -> "ReplayBuffer":
-        return ReplayBuffer(*(_select(t, rows) for t in (self.residual, self.pre_mix, self.positions,
-                                                         self.image_mask)))
+        """The given rows, trimmed to the longest of them (a single row holds no padding)."""
+        lengths = _select(self.lengths, rows)
+        n = int(lengths.max()) if lengths.numel() else 0
+        return ReplayBuffer(*(_select(t, rows)[:, :n] for t in (self.residual, self.pre_mix, self.positions,
+                                                                  self.image_mask)), lengths)
+
+
+def append_replay(old: ReplayBuffer | None, residual: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor,
+                  image_mask: torch.Tensor, lengths: torch.Tensor | None, window: int) -> ReplayBuffer:
+    """The buffer after a chunk [B, S] (row b's first lengths[b] real, None: all): each row's last `window` real
+    entries, right-padded. Padding takes positions after the row's last real one, so that no real query of the
+    decoder half sees it (windows are masked by position), and its cache writes are masked (StepContext.lengths)."""
+    B, S = positions.shape
+    dev = positions.device
+    new_len = torch.full((B,), S, dtype=torch.long, device=dev) if lengths is None else lengths
+    if old is None:
+        old_n, old_len = 0, torch.zeros(B, dtype=torch.long, device=dev)
+        parts = (residual, pre_mix, positions, image_mask)
+    else:
+        old_n, old_len = old.positions.shape[1], old.lengths
+        parts = tuple(torch.cat(p, dim=1) for p in ((old.residual, residual), (old.pre_mix, pre_mix),
+                                                    (old.positions, positions), (old.image_mask, image_mask)))
+    count = old_len + new_len
+    keep = count.clamp(max=window)
+    width = int(keep.max())
+    # Entry j of row b is its real entry number count - keep + j: the old buffer's, or the chunk's after them.
+    k = (count - keep).unsqueeze(1) + torch.arange(width, device=dev)
+    src = torch.where(k < old_len.unsqueeze(1), k, old_n + k - old_len.unsqueeze(1))
+    real = torch.arange(width, device=dev) < keep.unsqueeze(1)
+    src = torch.where(real, src, 0)
+    out = [t.gather(1, src.view(B, width, *([1] * (t.dim() - 2))).expand(B, width, *t.shape[2:])) for t in parts]
+    last = out[2].gather(1, (keep - 1).clamp(min=0).unsqueeze(1))
+    out[2] = torch.where(real, out[2], last + torch.arange(width, device=dev) - keep.unsqueeze(1) + 1)
+    out[3] = out[3] & real
+    return ReplayBuffer(*out, keep)
 
 
 def _concat_replay(buffers: list[ReplayBuffer | None]) -> ReplayBuffer | None:
-    """Join pending bounded-replay prefills (packed prefill chunks): all or none, of one length."""
+    """Join pending bounded-replay prefills (packed prefill chunks): all or none; shorter ones right-padded (their
+    padding is replaced by the next `append_replay`, which a pending buffer gets before the decoder half runs)."""
     if all(b is None for b in buffers):
         return None
-    lengths = [None if b is None else b.positions.shape[1] for b in buffers]
-    if len(set(lengths)) > 1:
-        raise ValueError(f"caches to batch must hold pending bounded-replay prefills of one length or none, got "
-                         f"{lengths}")
-    return ReplayBuffer(*(torch.cat(parts) for parts in zip(*((b.residual, b.pre_mix, b.positions, b.image_mask)
-                                                               for b in buffers))))
+    if any(b is None for b in buffers):
+        raise ValueError("caches to batch must all hold a pending bounded-replay prefill or none")
+    width = max(b.positions.shape[1] for b in buffers)
+
+    def pad(t: torch.Tensor, fill: float) -> torch.Tensor:
+        missing = width - t.shape[1]
+        return t if missing == 0 else torch.cat((t, t.new_full((t.shape[0], missing, *t.shape[2:]), fill)), dim=1)
+
+    return ReplayBuffer(*(torch.cat([pad(getattr(b, name), fill) for b in buffers])
+                          for name, fill in (("residual", 0.0), ("pre_mix", 0.0), ("positions", -1),
+                                             ("image_mask", False))),
+                        torch.cat([b.lengths for b in buffers]))
 
 
 def _concat_history(states: list[RowHistory | None]) -> RowHistory | None:
@@ -434,7 +489,7 @@ class ModelCache:
     @classmethod
     def concat(cls, caches: list["ModelCache"]) -> "ModelCache":
         """Join caches along the batch (new references to paged blocks: release the parts afterwards). Pending
-        bounded-replay prefills join only with others of the same length (packed prefill chunks)."""
+        bounded-replay prefills join with others (packed prefill chunks), not with caches that have none."""
         first = caches[0]
         if any(c.spare != first.spare for c in caches):
             raise ValueError(f"caches to batch must have the same rollback room, got spare {[c.spare for c in caches]}")

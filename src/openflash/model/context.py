@@ -57,6 +57,24 @@ class StepContext:
     # One graph for the whole call (model/decode_graph.py): every shape fixed by the cache's capacity (compressed
     # stores read whole, writes masked, experts gathered per routed pair), no host read of a tensor's values.
     static: bool = False
+    # Right-padded rows (prompt chunks of different lengths packed into one call): row b's first lengths[b]
+    # tokens are real, the rest padding that writes no cache state and is routed to no expert. None: all real.
+    lengths: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, S] bool: the real tokens."""
+        S = self.positions.shape[1]
+        if self.lengths is None:
+            return torch.ones_like(self.positions, dtype=torch.bool)
+        return torch.arange(S, device=self.positions.device) < self.lengths.unsqueeze(1)
+
+    @property
+    def last_positions(self) -> torch.Tensor:
+        """[B] the position of each row's last real token."""
+        if self.lengths is None:
+            return self.positions[:, -1]
+        return self.positions.gather(1, (self.lengths - 1).unsqueeze(1)).squeeze(1)
 
     def put(self, name: str, value: torch.Tensor) -> None:
         if self.probe is not None:

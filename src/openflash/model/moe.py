@@ -138,6 +138,15 @@ class MoE(nn.Module, NumericsMixin):
         self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
 
     def forward(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if ctx.lengths is not None:  # right-padded rows (a packed prefill): the padding is routed to no expert
+            real = ctx.valid
+            y = v.new_zeros(v.shape)
+            y[real] = self._tokens(v[real], ctx, None if image_mask is None else image_mask[real])
+            return y
+        return self._tokens(v, ctx, image_mask)
+
+    def _tokens(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """The MoE of tokens v [..., dim] (image_mask [...]: image-span positions, routed with bias_vl)."""
         shape = v.shape
         x = v.reshape(-1, shape[-1])
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))

@@ -32,7 +32,7 @@ from torch import nn
 from openflash.config import FlashConfig
 from openflash.model import dspark
 from openflash.model.block import Block
-from openflash.model.cache import ModelCache, ReplayBuffer
+from openflash.model.cache import ModelCache, ReplayBuffer, append_replay
 from openflash.model.compiled_blocks import CompiledBlock
 from openflash.model.context import CompressedView, Probe, StepContext
 from openflash.model.decode_graph import DecodeGraph
@@ -56,10 +56,23 @@ NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepare
 @dataclass
 class TargetHidden:
     """The drafter's input from a target step: main_hidden [B, S', n_targets * dim] of positions [B, S'] (the
-    positions the target layers ran on: every token, or the replayed tail of a bounded prefill)."""
+    positions the target layers ran on: every token, or the replayed tail of a bounded prefill); in a step of
+    right-padded rows only row b's first lengths[b] are real."""
 
     values: torch.Tensor
     positions: torch.Tensor
+    lengths: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """[B, S'] bool: the real positions (None: all)."""
+        if self.lengths is None:
+            return None
+        return torch.arange(self.positions.shape[1], device=self.positions.device) < self.lengths.unsqueeze(1)
+
+    def last(self) -> torch.Tensor:
+        """main_hidden of each row's last real position [B, 1, n_targets * dim]."""
+        return _last_real(self.values, self.lengths)
 
 
 @dataclass
@@ -240,30 +253,34 @@ class Transformer(nn.Module):
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
              engram: EngramRows | None = None, images: ImageRows | None = None,
              probe: Probe | None = None, all_logits: bool = False,
-             experts: ExpertSource | None = None) -> torch.Tensor | None:
+             experts: ExpertSource | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run a prefill chunk or a decode step [B, S] after what `cache` holds; returns fp32 logits [B, V] of
         each row's last position (or [B, S, V] with all_logits), or None for a non-final bounded prefill chunk.
 
         mode "exact": every layer on every token. mode "bounded": the decoder half waits for the last chunk and
         then runs only on the last `sliding_window` prompt positions (its KV owner's compressor still sees every
         token). Decode steps (S = 1) are the same in both modes. experts: where the routed experts come from when
-        the model was loaded without them (memory/experts.py).
+        the model was loaded without them (memory/experts.py). lengths [B]: rows of different lengths packed into
+        one call, right-padded: row b's first lengths[b] tokens are real, its padding leaves no trace in the cache
+        (positions advance by lengths[b]) and the logits are those of its last real token.
         """
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts)[0]
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
+                          lengths=lengths)[0]
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
                     last_chunk: bool = True, engram: EngramRows | None = None, images: ImageRows | None = None,
-                    probe: Probe | None = None, all_logits: bool = False,
-                    experts: ExpertSource | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
+                    probe: Probe | None = None, all_logits: bool = False, experts: ExpertSource | None = None,
+                    lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
         non-final bounded prefill chunk, whose decoder half has not run yet)."""
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts)
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts,
+                          lengths=lengths)
 
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
-              hidden: bool, experts: ExpertSource | None = None,
-              static: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+              hidden: bool, experts: ExpertSource | None = None, static: bool = False,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """static: this call is the body of a whole-step graph (model/decode_graph.py, StepContext.static)."""
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
@@ -275,14 +292,17 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         if cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
-        if S == 1 and self.numerics.compiled and not static and not all_logits:
+        if lengths is not None:
+            lengths = _check_lengths(lengths, B, S, input_ids.device)
+        if S == 1 and self.numerics.compiled and not static and not all_logits and lengths is None:
             graph = self._decode_graph()
             if graph.why_not(cache, images, probe, hidden, experts) is None:
                 return graph(input_ids, cache, engram), None
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps, experts=experts,
-                          static=static)
+                          static=static, lengths=lengths)
+        advance = S if lengths is None else lengths
         residual, pre = self.streams(input_ids, images)
         if images is not None:
             ctx.put("embed_merged", residual[:, :, 0])
@@ -292,10 +312,11 @@ class Transformer(nn.Module):
             raise ValueError("this cache has a pending bounded-replay prefill; finish it in 'bounded' mode")
         if mode == "exact" or split >= n_layers:
             residual, pre = self._layers(residual, pre, range(n_layers), ctx, engram, image_mask)
-            cache.pos = cache.pos + S
-            logits = self._logits(residual if all_logits else residual[:, -1:], pre if all_logits else pre[:, -1:],
-                                  ctx)
-            return (logits if all_logits else logits[:, -1]), self._hidden(ctx)
+            cache.pos = cache.pos + advance
+            if all_logits:
+                return self._logits(residual, pre, ctx), self._hidden(ctx)
+            logits = self._logits(_last_real(residual, lengths), _last_real(pre, lengths), ctx)
+            return logits[:, -1], self._hidden(ctx)
 
         # Bounded replay: encoder on every token, plus the decoder KV owner's compressor and index keys.
         if hidden and not self.cfg.dspark_bounded_ok:
@@ -307,18 +328,21 @@ class Transformer(nn.Module):
         owner.attn.publish_compressed(owner_x, ctx)
         if image_mask is None:
             image_mask = torch.zeros(B, S, dtype=torch.bool, device=input_ids.device)
-        cache.replay = _append_replay(cache.replay, residual, pre, positions, image_mask, self.cfg.sliding_window)
-        cache.pos = cache.pos + S
+        cache.replay = append_replay(cache.replay, residual, pre, positions, image_mask, lengths,
+                                     self.cfg.sliding_window)
+        cache.pos = cache.pos + advance
         if not last_chunk:
             return None, None
         replay, cache.replay = cache.replay, None
+        tail_lengths = replay.lengths if replay.padded else None
         tail_ctx = StepContext(replay.positions, self.numerics, cache=cache,
                                compressed={split: ctx.compressed[split]}, probe=probe,
-                               taps=self._taps() if hidden else {}, experts=experts)
+                               taps=self._taps() if hidden else {}, experts=experts, lengths=tail_lengths)
         tail_mask = replay.image_mask if bool(replay.image_mask.any()) else None  # decoder-half routing (bias_vl)
         residual, pre = self._layers(replay.residual, replay.pre_mix, range(split, n_layers), tail_ctx, None,
                                      tail_mask)
-        return self._logits(residual[:, -1:], pre[:, -1:], tail_ctx)[:, -1], self._hidden(tail_ctx)
+        logits = self._logits(_last_real(residual, tail_lengths), _last_real(pre, tail_lengths), tail_ctx)
+        return logits[:, -1], self._hidden(tail_ctx)
 
     def static_decode(self, input_ids: torch.Tensor, cache: ModelCache, engram: EngramRows | None) -> torch.Tensor:
         """A decode step [B, 1] with every shape fixed by the cache (StepContext.static): the body that
@@ -353,13 +377,17 @@ class Transformer(nn.Module):
             return None
         values = torch.cat([ctx.taps[i] for i in self.cfg.dspark.target_layer_ids], dim=-1)
         ctx.put("main_hidden", values)
-        return TargetHidden(ctx.forced("main_hidden", values), ctx.positions)
+        return TargetHidden(ctx.forced("main_hidden", values), ctx.positions, ctx.lengths)
 
     # ---- DSpark drafting -------------------------------------------------------------------------------------
     @torch.no_grad()
     def draft_seed(self, hidden: TargetHidden, cache: ModelCache, valid: torch.Tensor | None = None,
                    probe: Probe | None = None) -> torch.Tensor:
-        """Write the target's KV of hidden.positions (where `valid`) into every draft stage's ring; returns main_x."""
+        """Write the target's KV of hidden.positions (where `valid`, and only real ones) into every draft stage's
+        ring; returns main_x."""
+        real = hidden.valid
+        if real is not None:
+            valid = real if valid is None else valid & real
         x = dspark.write_target(self.mtp, hidden.values, hidden.positions, cache.draft, valid)
         if probe is not None:
             probe.record("main_x", x)
@@ -420,15 +448,20 @@ def _mask(images: ImageRows | None) -> torch.Tensor | None:
     return None if images is None else images.mask
 
 
-def _append_replay(replay: ReplayBuffer | None, residual: torch.Tensor, pre: torch.Tensor,
-                   positions: torch.Tensor, image_mask: torch.Tensor, window: int) -> ReplayBuffer:
-    """Keep the decoder-half input of the last `window` prompt positions."""
-    if replay is not None:
-        residual = torch.cat((replay.residual, residual), dim=1)
-        pre = torch.cat((replay.pre_mix, pre), dim=1)
-        positions = torch.cat((replay.positions, positions), dim=1)
-        image_mask = torch.cat((replay.image_mask, image_mask), dim=1)
-    return ReplayBuffer(residual[:, -window:], pre[:, -window:], positions[:, -window:], image_mask[:, -window:])
+def _last_real(t: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """t[:, -1:] of each row, or the row's last real entry t[b, lengths[b] - 1] of right-padded rows."""
+    if lengths is None:
+        return t[:, -1:]
+    index = (lengths - 1).view(-1, 1, *([1] * (t.dim() - 2))).expand(-1, 1, *t.shape[2:])
+    return t.gather(1, index)
+
+
+def _check_lengths(lengths: torch.Tensor, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+    if tuple(lengths.shape) != (rows,) or bool((lengths < 1).any()) or bool((lengths > width).any()):
+        raise ValueError(f"lengths must hold one value in [1, {width}] per row of input_ids ({rows} rows), got "
+                         f"{lengths.tolist()}")
+    return lengths
 
 
 __all__ = ["Transformer", "Block", "ForwardOutput", "CompressedView", "TargetHidden"]

@@ -47,10 +47,12 @@ class ImageRows:
 
     @classmethod
     def stack(cls, rows: list["ImageRows | None"], length: int, device: torch.device) -> "ImageRows | None":
-        """One [B, length] step's rows from B one-row steps (None: no image position there); None if none has."""
+        """One [B, length] step's rows from B one-row steps (None: no image position there; a shorter row is
+        right-padded with text positions); None if none has."""
         if all(r is None for r in rows):
             return None
-        masks = [torch.zeros(1, length, dtype=torch.bool, device=device) if r is None else r.mask for r in rows]
+        masks = [torch.zeros(1, length, dtype=torch.bool, device=device) if r is None else
+                 F.pad(r.mask, (0, length - r.mask.shape[1])) for r in rows]
         return cls(torch.cat(masks), torch.cat([r.values for r in rows if r is not None]))
 
 
