@@ -220,9 +220,34 @@ def test_packed_prefill_equals_one_prompt_at_a_time(plain, mode):
     assert calls[0] == sum(-(-len(p) // 16) for p in ps) and calls[1] < 0.6 * calls[0]
 
 
+@pytest.mark.parametrize("mode", ["bounded", "exact"])
+def test_prompts_of_different_lengths_share_a_prefill_call(plain, mode):
+    """Prompts of 12-30 tokens (window 16: bounded replay tails of 12 and 16) prefill in one right-padded call
+    (94 real tokens of 120, within the default padding share 0.25); greedy outputs equal plain generation."""
+    model, tok = plain
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (30, 24, 12, 28)]
+    params = SamplingParams(max_tokens=5)
+
+    def run(prompts: list[list[int]], **config) -> tuple[list[list[int]], int]:
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=64, max_step_tokens=256,
+                                                    prefill_mode=mode, prefix_cache=False, **config))
+        outputs = [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)]
+        assert engine.factory.pool.blocks_in_use == 0
+        return outputs, engine.runner.prefill_calls
+
+    outputs, calls = run(ps)
+    assert calls == 1 and outputs == [generate(model, tok, p, params, mode=mode).token_ids for p in ps]
+    assert run(ps, prefill_padding=0) == (outputs, 4)  # no padding: one call per length
+    assert run([ps[0], ps[2][:9]])[1] == 2  # 30 + 9 tokens padded to 60: 35% padding, over the share
+    with pytest.raises(OpenflashError, match=r"prefill_padding must be in \[0, 1\), got 1.0"):
+        LLMEngine(model, tok, EngineConfig(prefill_padding=1.0))
+
+
 def test_a_failing_packed_prefill_fails_only_its_requests(plain, monkeypatch):
     model, tok = plain
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+    # Two rows a call: the two 16-token prompts share one (longest first), the 9-token prompt gets its own.
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, prefill_batch=2))
     real = engine.runner._step
 
     def flaky(ids, cache, *args, **kwargs):

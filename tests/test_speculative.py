@@ -66,6 +66,26 @@ def test_greedy_with_speculation_equals_greedy_without(drafted, engine_kw):
         model.set_numerics(NUMERICS["plain"])
 
 
+@pytest.mark.parametrize("mode", ["bounded", "exact"])
+def test_padded_prefill_seeds_the_drafter_as_one_prompt_at_a_time(drafted, mode):
+    """Prompts of 5-40 tokens prefilled in one right-padded call leave the drafter's rings as prefilling each alone
+    does: the same drafts are proposed and accepted, round by round."""
+    model, tok = drafted
+    prompts = _prompts((5, 17, 40, 23), model.cfg.vocab_size)
+    params = SamplingParams(max_tokens=12)
+    runs = []
+    for padding in (0.0, 0.75):
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=64, max_step_tokens=256,
+                                                    prefill_mode=mode, prefix_cache=False, speculative="dspark",
+                                                    prefill_padding=padding))
+        outputs = [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)]
+        m = engine.metrics
+        runs.append((outputs, engine.runner.prefill_calls, m.spec_drafted, m.spec_accepted, dict(m.spec_accepted_at)))
+    assert [r[1] for r in runs] == [4, 1]
+    assert runs[0][0] == runs[1][0] and runs[0][2:] == runs[1][2:]
+    assert runs[1][3] > 0
+
+
 def test_sampling_keeps_the_target_distribution(drafted):
     """The token after a speculative round's anchor, over many seeds, follows the target's own distribution: a
     chi-square test of the counts against the target's probabilities given each run's first token."""

@@ -252,6 +252,27 @@ def test_packed_prefill_carries_each_prompts_image_rows(vl):
     assert engine.runner.prefill_calls == -(-len(prompts[0][0]) // 16)  # one call per chunk for all three
 
 
+def test_prompts_of_different_lengths_with_images_share_padded_calls(vl):
+    """Image prompts of different lengths (and a shorter text prompt) right-padded into shared calls: each row gets
+    its own spans, the padding none; outputs equal plain generation, in fewer calls than without padding."""
+    model, tok = vl
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompts = [text_prompt(tok, text, [_noise(112, 112, seed)], model.cfg)
+               for seed, text in ((0, "<image> What is in this picture?"), (1, "Look at this: <image> What do you see in it, exactly?"))]
+    prompts.append((prompts[0][0][:2] + [7] * 5, []))  # text only, 7 tokens
+    assert len({len(ids) for ids, _ in prompts}) == 3
+    want = [generate(model, tok, ids, params, images=images, prefill_chunk=64).token_ids for ids, images in prompts]
+    calls = []
+    for padding in (0.0, 0.75):
+        engine = LLMEngine(model, tok, EngineConfig(max_batch=3, max_context=256, prefill_chunk=64, prefix_cache=False,
+                                                    prefill_padding=padding),
+                           EngramMemory.attach(model, "device", tokenizer=tok))
+        seqs = engine.generate([ids for ids, _ in prompts], params, images=[images for _, images in prompts])
+        assert [s.output_ids for s in seqs] == want
+        calls.append(engine.runner.prefill_calls)
+    assert calls == [3, 1]  # one chunk each: a call per length, or one padded call
+
+
 def test_engine_refuses_images_for_a_text_model_and_bad_spans(vl):
     model, tok = vl
     ids, images = _prompt(vl)

@@ -271,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restore window state from a snapshot (exact) or by replaying the last window tokens")
     serve.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     serve.add_argument("--prefill-batch", type=int, default=16,
-                       help="prompt chunks of equal length packed into one model call (1: one prompt at a time)")
+                       help="prompt chunks packed into one model call (1: one prompt at a time)")
+    serve.add_argument("--prefill-padding", type=float, default=0.25,
+                       help="chunks of different lengths share a call right-padded while the padding stays within "
+                            "this share of the call's tokens (0: only chunks of equal length)")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one engine step")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     serve.add_argument("--numerics", default="fp32", choices=["fp32", "plain"],

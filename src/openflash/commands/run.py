@@ -198,8 +198,9 @@ def serve(args: Any) -> int:
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        prefill_batch=args.prefill_batch, max_waiting=args.max_waiting, engram_speculate=speculate,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens), memory, loaded.experts)
+        prefill_batch=args.prefill_batch, prefill_padding=args.prefill_padding, max_waiting=args.max_waiting,
+        engram_speculate=speculate, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens),
+        memory, loaded.experts)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
     if args.thinking and fmt.name != "deepseek-v4.1":

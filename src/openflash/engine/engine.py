@@ -51,7 +51,8 @@ class EngineConfig:
     max_context: int = 4096  # prompt + completion tokens per sequence
     max_step_tokens: int = 512  # prompt + decode tokens per engine step
     prefill_chunk: int = 128  # prompt chunk length (chunks end at multiples of it)
-    prefill_batch: int = 16  # prompt chunks of equal length packed into one model call (1: one at a time)
+    prefill_batch: int = 16  # prompt chunks packed into one model call (1: one at a time)
+    prefill_padding: float = 0.25  # most of a packed call that may be padding (0: only chunks of equal length)
     max_waiting: int = 256  # queued requests before add_request refuses (QueueFullError)
     prefill_mode: str = "bounded"  # CED bounded replay (architecture.md §7.3) or "exact"
     kv_storage: str = "fp32"  # "fp32" or "packed" (FP4 main KV, MXFP4 index keys, FP8 window rings)
@@ -79,6 +80,8 @@ class EngineConfig:
             raise OpenflashError(f"prefix_restore must be one of {list(RESTORE_MODES)}, got {self.prefix_restore!r}")
         if self.prefill_batch < 1:
             raise OpenflashError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
+        if not 0 <= self.prefill_padding < 1:
+            raise OpenflashError(f"prefill_padding must be in [0, 1), got {self.prefill_padding}")
         if self.max_context < 2:
             raise OpenflashError(f"max_context must be >= 2, got {self.max_context}")
         block = self.prefix_block_tokens
@@ -119,7 +122,7 @@ class LLMEngine:
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
         self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts,
-                                  experts, config.prefill_batch)
+                                  experts, config.prefill_batch, config.prefill_padding)
         self.experts = experts
         self._expert_stats: dict | None = experts.summary() if experts is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)

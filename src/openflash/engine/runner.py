@@ -1,14 +1,17 @@
 """Turns a scheduled step into model calls.
 
-Prefill: a step's prompt chunks of equal length are packed into one model call (up to `prefill_batch` rows): their
-one-row caches are joined (`ModelCache.concat`), `model.step` runs every row at its own positions, and the result is
-split back (`select`). Bounded-replay prefill passes last_chunk=False on all but a prompt's last chunk, so a pack
-holds only last or only non-last chunks (and pending replays of one length). Decode: every running sequence
-together, one token each, on a batched cache whose rows may sit at different positions. The batched cache is kept
-across steps and regrouped only when the set of running sequences changes: rows of finished sequences are dropped at
-once (`remove`), sequences that finished their prefill are appended at the next decode. Regrouping copies the
-bounded per-row state (window rings, compressor open group, hash history) and only block tables of the global cache
-(engine/cache.py).
+Prefill: a step's prompt chunks are packed into model calls of up to `prefill_batch` rows: their one-row caches are
+joined (`ModelCache.concat`), `model.step` runs every row at its own positions, and the result is split back
+(`select`). Chunks of different lengths share a call right-padded (`lengths`: the padding leaves no trace in the
+caches), longest first, as long as the padding stays within `prefill_padding` of the call's tokens (0.25 by
+default, by measurement: benchmarks/packed_prefill.py, docs/benchmarks.md). Bounded-replay prefill passes
+last_chunk=False on all but a prompt's last chunk, so a pack holds only last or only non-last chunks.
+
+Decode: every running sequence together, one token each, on a batched cache whose rows may sit at different
+positions. The batched cache is kept across steps and regrouped only when the set of running sequences changes: rows
+of finished sequences are dropped at once (`remove`), sequences that finished their prefill are appended at the next
+decode. Regrouping copies the bounded per-row state (window rings, compressor open group, hash history) and only
+block tables of the global cache (engine/cache.py).
 
 Engram: the memory (any tier, `device` by default) hashes each chunk or decode step's token ids before the model
 runs, which starts fetching the rows, and the rows are handed down to the model's step (memory/placement.py).
@@ -58,10 +61,11 @@ class ChunkResult:
 class EngramTier(Protocol):
     """What the engine needs of an Engram memory (implemented by memory/placement.py's EngramMemory, any tier)."""
 
-    def prepare(self, input_ids: torch.Tensor, cache: ModelCache,
-                image_mask: torch.Tensor | None = None) -> EngramRows | None:
+    def prepare(self, input_ids: torch.Tensor, cache: ModelCache, image_mask: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> EngramRows | None:
         """The rows of a chunk or decode step after `cache` (hashing advances its history; image-span positions,
-        True in image_mask, are DEAD); fetching starts now."""
+        True in image_mask, are DEAD; lengths: right-padded rows, the history advancing by lengths[b]); fetching
+        starts now."""
 
     def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache,
                        image_mask: torch.Tensor | None = None) -> EngramRows | None:
@@ -78,12 +82,15 @@ class EngramTier(Protocol):
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
                  speculate_k: int = 0, drafts: int = 0, experts: ExpertSource | None = None,
-                 prefill_batch: int = 16) -> None:
+                 prefill_batch: int = 16, prefill_padding: float = 0.25) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
+        if not 0 <= prefill_padding < 1:
+            raise ValueError(f"prefill_padding must be in [0, 1), got {prefill_padding}")
         self.prefill_batch = prefill_batch  # most prompt chunks packed into one model call
+        self.prefill_padding = prefill_padding  # most of a packed call that may be padding
         self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
         self.memory, self.speculate_k = memory, speculate_k
         self.experts = experts  # routed experts outside the model (memory/experts.py), or None: its own
@@ -97,15 +104,16 @@ class ModelRunner:
 
     # ---- model calls ------------------------------------------------------------------------------------------
     def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool, hidden: bool = False,
-              images: ImageRows | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
+              images: ImageRows | None = None,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """The model on ids after cache, with the Engram rows prepared first; with `hidden`, also the drafter's
-        input (Transformer.step_hidden)."""
-        rows = self.memory.prepare(ids, cache, None if images is None else images.mask)
+        input (Transformer.step_hidden). lengths: right-padded rows (Transformer.step)."""
+        rows = self.memory.prepare(ids, cache, None if images is None else images.mask, lengths)
         if hidden:
             return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
-                                          experts=self.experts)
+                                          experts=self.experts, lengths=lengths)
         return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
-                               experts=self.experts), None
+                               experts=self.experts, lengths=lengths), None
 
     def _encoded(self, seq: Sequence) -> EncodedImages | None:
         """The sequence's image spans, encoded on first use (kept until its prefill ends)."""
@@ -137,8 +145,7 @@ class ModelRunner:
                 packs.setdefault(self._pack_key(t), []).append(i)
             seen.add(t.seq.request_id)
         for members in packs.values():
-            for lo in range(0, len(members), self.prefill_batch):
-                part = members[lo:lo + self.prefill_batch]
+            for part in self._split(members, tasks):
                 try:
                     logits = self._prefill_pack([tasks[i] for i in part])
                     out = [ChunkResult(logits=row) for row in logits]
@@ -148,21 +155,42 @@ class ModelRunner:
                     results[i] = r
         return results
 
-    @staticmethod
-    def _pack_key(task: ChunkTask) -> tuple:
-        """Chunks share a model call when their steps have one shape and one kind of cache state: equal length,
-        all last or all not (bounded replay runs the decoder half on last chunks), pending replays of one length,
-        and an Engram hash history in every cache or in none (the first chunk creates it)."""
+    def _pack_key(self, task: ChunkTask) -> tuple:
+        """Chunks may share a model call when their caches are of one kind: in bounded mode all last chunks or
+        none (the decoder half runs on last chunks), and pending replays in all or none; an Engram hash history
+        in every cache or in none (the first chunk creates it)."""
         cache = task.seq.cache
-        replay = 0 if cache.replay is None else cache.replay.positions.shape[1]
-        return task.end - task.start, task.end == task.seq.prompt_len, replay, cache.engram is None
+        bounded = self.prefill_mode == "bounded"
+        return bounded and task.end == task.seq.prompt_len, cache.replay is None, cache.engram is None
+
+    def _split(self, members: list[int], tasks: list[ChunkTask]) -> list[list[int]]:
+        """Packs of up to `prefill_batch` chunks, longest first; a chunk joins the current pack while padding every
+        row to the pack's longest keeps the padding within `prefill_padding` of the pack's tokens."""
+        order = sorted(members, key=lambda i: tasks[i].start - tasks[i].end)  # longest first (stable)
+        packs: list[list[int]] = []
+        real = 0
+        for i in order:
+            n = tasks[i].end - tasks[i].start
+            if packs and len(packs[-1]) < self.prefill_batch:
+                width = tasks[packs[-1][0]].end - tasks[packs[-1][0]].start
+                if width * (len(packs[-1]) + 1) * (1 - self.prefill_padding) <= real + n:
+                    packs[-1].append(i)
+                    real += n
+                    continue
+            packs.append([i])
+            real = n
+        return packs
 
     def _prefill_pack(self, tasks: list[ChunkTask]) -> list[torch.Tensor | None]:
         """One model call over the tasks' joined caches; each sequence gets its row back as its own cache."""
         seqs = [t.seq for t in tasks]
         last = tasks[0].end == seqs[0].prompt_len
-        ids = torch.tensor([s.prompt_ids[t.start:t.end] for s, t in zip(seqs, tasks)], dtype=torch.long,
-                           device=self.device)
+        sizes = [t.end - t.start for t in tasks]
+        width = max(sizes)
+        # Right-padded to the longest chunk with id 0 (the padding writes no state and its outputs are dropped).
+        ids = torch.tensor([s.prompt_ids[t.start:t.end] + [0] * (width - n) for s, t, n in zip(seqs, tasks, sizes)],
+                           dtype=torch.long, device=self.device)
+        lengths = None if min(sizes) == width else torch.tensor(sizes, dtype=torch.long, device=self.device)
         windows = []
         for s, t in zip(seqs, tasks):
             encoded = self._encoded(s)
@@ -178,7 +206,7 @@ class ModelRunner:
         self.prefill_calls += 1
         try:
             logits, hidden = self._step(ids, batch, self.prefill_mode, last, hidden=bool(self.drafts),
-                                        images=images)
+                                        images=images, lengths=lengths)
             if hidden is not None:  # the drafter's rings take the positions the target layers ran on
                 self.model.draft_seed(hidden, batch)
         except Exception:
@@ -187,9 +215,9 @@ class ModelRunner:
         for b, (s, t) in enumerate(zip(seqs, tasks)):
             s.cache = batch if len(seqs) == 1 else batch.select([b])
             if hidden is not None:
-                s.draft_hidden = hidden.values[b:b + 1, -1:]
+                s.draft_hidden = hidden.last()[b:b + 1]
             s.num_prefilled = t.end
-            if last:
+            if t.end == s.prompt_len:
                 self._images.pop(s.request_id, None)
         if len(seqs) > 1:
             batch.release()  # each row's cache holds its own references now
