@@ -2,9 +2,12 @@
 
     python benchmarks/serve.py [--presets tiny small] [--levels 1 4 16 64] [--threads 1] [--skip-http]
                                [--backends eager compiled] [--prefill-batch 1 16] [--step-tokens 512 1024]
+                               [--prefill-padding 0 0.5] [--prompt-len 64 | --prompt-len-range 16 256]
 
 Presets run with random weights (throughput does not depend on the weights) and the default fp32 numerics;
-prompts are random token ids below 1000 (valid for both presets), completions have a fixed length (ignore_eos).
+prompts are random token ids below 1000 (valid for both presets) of `--prompt-len` tokens, or of a length drawn per
+request from `--prompt-len-range` (mixed lengths: what right-padded packed prefill is for); completions have a fixed
+length (ignore_eos).
 
 1. Concurrency (engine, closed loop): C client threads each submit a request to the running engine (its background
    thread, as in the server), wait for it to finish, submit the next, until the request budget is spent. Reported:
@@ -53,15 +56,19 @@ def quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def random_prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def random_prompt(n: int | tuple[int, int], seed: int) -> list[int]:
+    """n tokens, or a length drawn from [lo, hi] by the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(n, tuple):
+        n = int(torch.randint(n[0], n[1] + 1, (1,), generator=g))
+    return torch.randint(3, 1000, (n,), generator=g).tolist()
 
 
 # ---- engine-level ------------------------------------------------------------------------------------------------
 
 
-def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int, max_tokens: int,
-                seed: int = 0) -> dict:
+def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int | tuple[int, int],
+                max_tokens: int, seed: int = 0) -> dict:
     """C clients, `requests` requests in total, each client one request at a time."""
     counter = iter(range(requests))
     lock = threading.Lock()
@@ -95,21 +102,22 @@ def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int,
             "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
 
 
-def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens: int, prefill_batches: list[int],
-                      step_tokens: list[int], backends: list[str]) -> tuple[list[dict], dict]:
-    """Each level run on one engine per (backend, prefill_batch, max_step_tokens), back to back (variants side by
-    side); the model's numerics switch to each engine's backend before it runs. Returns the rows and, per backend,
-    the warm-up's seconds and decode graphs (compiled backend)."""
+def bench_concurrency(model, tok, levels: list[int], prompt_len: int | tuple[int, int], max_tokens: int,
+                      prefill_batches: list[int], step_tokens: list[int], backends: list[str],
+                      paddings: list[float]) -> tuple[list[dict], dict]:
+    """Each level run on one engine per (backend, prefill_batch, max_step_tokens, prefill_padding), back to back
+    (variants side by side); the model's numerics switch to each engine's backend before it runs. Returns the rows
+    and, per backend, the warm-up's seconds and decode graphs (compiled backend)."""
     numerics = {"eager": FP32, "compiled": FP32.with_compile()}
-    engines = {(be, b, st): LLMEngine(model, tok, EngineConfig(max_batch=max(levels), max_context=4096,
-                                                               prefill_chunk=128, max_step_tokens=st,
-                                                               prefix_cache=False, prefill_batch=b))
-               for be in backends for b in prefill_batches for st in step_tokens}
+    engines = {(be, b, st, pad): LLMEngine(model, tok, EngineConfig(
+        max_batch=max(levels), max_context=4096, prefill_chunk=128, max_step_tokens=st, prefix_cache=False,
+        prefill_batch=b, prefill_padding=pad))
+        for be in backends for b in prefill_batches for st in step_tokens for pad in paddings}
     warm: dict[str, dict] = {}
     for engine in engines.values():
         engine.start()
     try:
-        for (be, _, _), engine in engines.items():
+        for (be, *_), engine in engines.items():
             model.set_numerics(numerics[be])
             # Warm-up at every level, largest first: the compiled backend's graphs (its first batch size is a graph of
             # its own, the others share a symbolic one) and the grown block pool are built here, not in a measurement.
@@ -123,13 +131,15 @@ def bench_concurrency(model, tok, levels: list[int], prompt_len: int, max_tokens
         rows = []
         for c in levels:
             requests = max(4, c) if c < 64 else c  # bounded: every client sends 1-4 requests
-            for (be, b, st), engine in engines.items():
+            for (be, b, st, pad), engine in engines.items():
                 model.set_numerics(numerics[be])
-                rows.append({"backend": be, "prefill_batch": b, "max_step_tokens": st,
-                             **closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c)})
-                print(f"  {c:3d} clients, {be}, prefill_batch {b:2d}, step tokens {st}: "
-                      f"{rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms",
-                      flush=True)
+                calls = engine.runner.prefill_calls
+                rows.append({"backend": be, "prefill_batch": b, "max_step_tokens": st, "prefill_padding": pad,
+                             **closed_loop(engine, c, requests, prompt_len, max_tokens, seed=1000 * c),
+                             "prefill_calls": engine.runner.prefill_calls - calls})
+                print(f"  {c:3d} clients, {be}, prefill_batch {b:2d}, step tokens {st}, padding {pad}: "
+                      f"{rows[-1]['tokens_per_s']:8.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_s'] * 1000:.0f} ms, "
+                      f"{rows[-1]['prefill_calls']} prefill calls", flush=True)
         return rows, warm
     finally:
         model.set_numerics(FP32)
@@ -289,6 +299,10 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--levels", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-len-range", nargs=2, type=int, default=None, metavar=("LO", "HI"),
+                    help="concurrency part: each request's prompt length drawn from [LO, HI] (instead of --prompt-len)")
+    ap.add_argument("--prefill-padding", nargs="+", type=float, default=[0.25],
+                    help="engine prefill_padding values compared side by side (the last one is the default's figures)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--system-len", type=int, default=1536, help="shared system prompt of the prefix workload")
     ap.add_argument("--long-prompt", type=int, default=1024, help="prompt of the prefill-mode comparison")
@@ -306,20 +320,26 @@ def main() -> None:
     for name in ("levels", "prefill_batch", "step_tokens"):
         if min(getattr(args, name)) < 1:
             ap.error(f"--{name.replace('_', '-')} values must be >= 1, got {getattr(args, name)}")
+    if not all(0 <= p < 1 for p in args.prefill_padding):
+        ap.error(f"--prefill-padding values must be in [0, 1), got {args.prefill_padding}")
+    if args.prompt_len_range is not None and not 1 <= args.prompt_len_range[0] <= args.prompt_len_range[1]:
+        ap.error(f"--prompt-len-range needs 1 <= LO <= HI, got {args.prompt_len_range}")
+    prompt_len = args.prompt_len if args.prompt_len_range is None else tuple(args.prompt_len_range)
     torch.set_num_threads(args.threads)
     results: dict = {"load_average_at_start": os.getloadavg(), "threads": args.threads,
-                     "cpu_count": os.cpu_count(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                     "cpu_count": os.cpu_count(), "prompt_len": prompt_len, "max_tokens": args.max_tokens,
                      "presets": {}}
     for preset in args.presets:
         print(f"== {preset}", flush=True)
         loaded = open_model(preset)
         model, tok = loaded.model, loaded.tokenizer
         r: dict = {}
-        r["concurrency"], r["warm_up"] = bench_concurrency(model, tok, args.levels, args.prompt_len,
+        r["concurrency"], r["warm_up"] = bench_concurrency(model, tok, args.levels, prompt_len,
                                                            args.max_tokens, args.prefill_batch, args.step_tokens,
-                                                           args.backends)
+                                                           args.backends, args.prefill_padding)
         main_rows = [x for x in r["concurrency"] if x["prefill_batch"] == args.prefill_batch[-1]
-                     and x["max_step_tokens"] == args.step_tokens[-1] and x["backend"] == args.backends[0]]
+                     and x["max_step_tokens"] == args.step_tokens[-1] and x["backend"] == args.backends[0]
+                     and x["prefill_padding"] == args.prefill_padding[-1]]
         one = next((x for x in main_rows if x["clients"] == 1), None)
         sixteen = next((x for x in main_rows if x["clients"] == 16), None)
         if one and sixteen:
@@ -337,14 +357,14 @@ def main() -> None:
         results["http_tiny"] = bench_http(args.levels, args.prompt_len, args.max_tokens, args.threads)
 
     print(f"\nload average at start {results['load_average_at_start']}, torch threads {args.threads}")
-    print(f"{'preset':6s} {'clients':>7s} {'backend':>9s} {'pack':>4s} {'step':>5s} {'req':>4s} {'tok/s':>8s} "
-          f"{'TTFT p50':>9s} "
+    print(f"{'preset':6s} {'clients':>7s} {'backend':>9s} {'pack':>4s} {'step':>5s} {'pad':>4s} {'req':>4s} "
+          f"{'tok/s':>8s} {'TTFT p50':>9s} "
           f"{'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
     rows = [(p, x) for p, r in results["presets"].items() for x in r["concurrency"]]
     rows += [("http", x) for x in results.get("http_tiny", [])]
     for name, x in rows:
         print(f"{name:6s} {x['clients']:7d} {x.get('backend', '-'):>9s} {x.get('prefill_batch', '-'):>4} "
-              f"{x.get('max_step_tokens', '-'):>5} {x['requests']:4d} "
+              f"{x.get('max_step_tokens', '-'):>5} {x.get('prefill_padding', '-'):>4} {x['requests']:4d} "
               f"{x['tokens_per_s']:8.1f} {fmt(x['ttft_p50_s']):>9s} "
               f"{fmt(x['ttft_p99_s']):>9s} {fmt(x['itl_p50_s']):>8s} {fmt(x['itl_p99_s']):>8s}")
     for p, r in results["presets"].items():
