@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 import torch
 
@@ -49,3 +52,18 @@ class WithEngram:
 
     def __call__(self, ids, targets=None, **kwargs):
         return self.model(ids, targets, engram=self.memory.prefetch_batch(ids), **kwargs)
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    """Until `url`/health answers 200 (a server started as `proc`); fails if proc exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, f"the server at {url} did not come up"
+        time.sleep(0.2)

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
+from conftest import wait_for_health
 
 from openflash.checkpoint import load_checkpoint, open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
@@ -121,6 +123,109 @@ def test_expert_parallel_matches_one_process(ckpt, tmp_path):
     want = _run(*load_checkpoint(ckpt, weights="stored"))
     for a, b in zip(want, got):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # the all_reduce sums in another order
+
+
+def _lockstep_rank(ctx, folder: str, out: str) -> None:
+    """One rank of test_expert_parallel_engines_step_together: rank 0 takes requests (and aborts one), rank 1
+    follows; each records what its replica produced."""
+    import time
+
+    from openflash.engine.lockstep import Lockstep
+
+    loaded = open_model(folder, expert_placement="host", expert_group=ctx)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=3, prefill_chunk=16),
+                       loaded.memory(), loaded.experts, Lockstep(ctx.rank, ctx.world_size))
+    outputs: dict[str, list] = {}
+
+    def record(o) -> None:
+        outputs.setdefault(o.request_id, []).extend(o.token_ids)
+        if o.finished:
+            outputs[o.request_id].append(o.finish_reason)
+
+    if ctx.rank == 0:
+        engine.start()
+        seqs = [engine.add_request(p, sp, request_id=f"r{i}", on_output=record, ignore_eos=True)
+                for i, (p, sp) in enumerate(_lockstep_requests())]
+        while "r4" not in outputs:  # r4 runs long: abort it once it has started
+            time.sleep(0.01)
+        engine.abort("r4")
+        while not all(s.finished for s in seqs):
+            time.sleep(0.01)
+        engine.shutdown(5)
+        torch.save({"outputs": outputs, "seeds": [s.params.seed for s in seqs]}, out + ".0")
+    else:
+        engine.follow(on_output=record)
+        torch.save({"outputs": outputs}, out + ".1")
+
+
+def _lockstep_requests() -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (40, 9, 23, 31, 12)]
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=12, temperature=0.8),  # seed set by rank 0
+              SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=7), SamplingParams(max_tokens=10),
+              SamplingParams(max_tokens=200)]
+    return list(zip(prompts, params))
+
+
+def test_expert_parallel_engines_step_together(ckpt, tmp_path):
+    """Expert-parallel serving: two ranks' engines in lockstep (engine/lockstep.py). The follower's replica
+    produces exactly the leader's tokens, aborts included, and the leader's equal one process serving alone."""
+    from dataclasses import replace
+
+    from openflash.train.distributed import spawn
+
+    spawn(_lockstep_rank, 2, str(ckpt), str(tmp_path / "out"))
+    leader, follower = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
+    assert follower["outputs"] == leader["outputs"]
+    assert leader["outputs"]["r4"][-1] == "abort" and leader["seeds"][1] is not None
+    loaded = open_model(str(ckpt), expert_placement="host")
+    alone = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=3, prefill_chunk=16),
+                      loaded.memory(), loaded.experts)
+    requests = _lockstep_requests()[:4]
+    seqs = alone.generate([p for p, _ in requests], [replace(sp, seed=seed) for (_, sp), seed in
+                                                     zip(requests, leader["seeds"])], ignore_eos=True)
+    for i, seq in enumerate(seqs):
+        assert leader["outputs"][f"r{i}"] == seq.output_ids + ["length"], i
+
+
+def test_serve_with_expert_parallelism_under_torchrun(ckpt):
+    """`torchrun --nproc_per_node 2 -m openflash.cli serve --expert-parallel 2`: rank 0 answers HTTP with the
+    tokens one process would give, rank 1 steps with it, and Ctrl-C stops both."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from openflash.train.distributed import free_port
+
+    port, master = free_port(), free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(master),
+           "-m", "openflash.cli", "serve", "--model", str(ckpt), "--expert-parallel", "2", "--port", str(port),
+           "--max-batch", "4", "--max-context", "128"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, proc, 180)
+        prompt = torch.randint(3, 1000, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+        body = {"model": ckpt.name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        loaded = open_model(str(ckpt), expert_placement="host")
+        alone = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=4, max_context=128),
+                          loaded.memory(), loaded.experts)
+        assert got == alone.generate([prompt], SamplingParams(max_tokens=8), ignore_eos=True)[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+            raise AssertionError("the expert-parallel server did not stop on SIGINT:\n" + log[-3000:])
+    # (torchrun itself exits 1 with its own SignalException after forwarding a SIGINT; the ranks stop cleanly)
+    assert "Application shutdown complete" in log and "rank 1: rank 0 stopped the group" in log, log[-3000:]
+    assert "LockstepError" not in log and "engine step failed" not in log, log[-3000:]
 
 
 def test_expert_parallel_needs_its_processes(ckpt):

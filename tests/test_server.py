@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import wait_for_health
 from starlette.testclient import TestClient
 
 from openflash.chat import chat_format
@@ -482,15 +483,7 @@ def test_openflash_serve_command(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "openflash serve did not come up"
-            time.sleep(0.2)
+        wait_for_health(url, proc, 90)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)

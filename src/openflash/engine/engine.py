@@ -6,11 +6,15 @@
         engine.step()                      # or engine.start() for a background thread (the server)
 
 One `step()`: take new requests and cancellations, let the scheduler pick prompt chunks and the decode set, prefill
-the chunks (those of equal length packed into one model call), decode every running sequence in one batched call,
-sample (each request with its own generator, so batch composition never changes a result), apply stop conditions,
-free finished sequences at once, and hand each request its `RequestOutput`.
+the chunks (several packed into one model call, right-padded where their lengths differ), decode every running
+sequence in one batched call, sample (each request with its own generator, so batch composition never changes a
+result), apply stop conditions, free finished sequences at once, and hand each request its `RequestOutput`.
 
 add_request / abort are thread-safe; everything else runs on the thread that calls step() (the engine thread).
+
+Expert-parallel serving runs one engine per rank in lockstep (engine/lockstep.py, the `StepSync` declared here): the
+leader's engine shares each step's arrivals and aborts before stepping, the followers' engines apply them and step
+alike (`follow()`), so every rank makes the same model calls.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Protocol
 from typing import Sequence as Sequence_
 
 import torch
 from tokenizers import Tokenizer
 
 from openflash.engine.cache import KV_STORAGES, CacheFactory
+from openflash.engine.lockstep import KEEPALIVE_SECONDS, LockstepError, RequestSpec, StepInputs
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
@@ -106,10 +113,26 @@ def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
     return digest.hexdigest()
 
 
+class StepSync(Protocol):
+    """Engine replicas on several ranks kept in step (implemented by engine/lockstep.py's Lockstep)."""
+
+    @property
+    def leader(self) -> bool:
+        """This rank's engine takes the requests; the others follow it."""
+
+    def share(self, inputs: StepInputs | None) -> StepInputs:
+        """The leader's step inputs (given on the leader, None elsewhere), on every rank."""
+
+
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 memory: EngramTier | None = None, experts: ExpertSource | None = None) -> None:
+                 memory: EngramTier | None = None, experts: ExpertSource | None = None,
+                 lockstep: StepSync | None = None) -> None:
+        """lockstep: this engine is one of several replicas stepping together (expert-parallel serving)."""
         self.config = config.validate()
+        if lockstep is not None and config.prefix_cache_dir:
+            raise OpenflashError("a persisted prefix cache (prefix_cache_dir) is not supported with expert "
+                                 "parallelism: each rank would load and save its own")
         if config.kv_storage == "packed" and not model.numerics.cache_qdq:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
                                  f"cache QDQ; the model runs {model.numerics.name!r}")
@@ -146,6 +169,8 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._removals: list[str] = []
+        self.lockstep = lockstep
+        self._follower_output: Callable[[RequestOutput], None] | None = None  # follow(on_output)
 
     @staticmethod
     def _drafts(model: Transformer, config: EngineConfig) -> int:
@@ -185,9 +210,13 @@ class LLMEngine:
                 check_spans(ids, images, self.cfg.image_token_id)
             except ValueError as exc:
                 raise RequestError(str(exc), param="images") from None
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, SamplerState.create(params),
-                       eos_token_id=None if ignore_eos else self.cfg.eos_token_id, on_output=on_output,
-                       images=list(images))
+        if self.lockstep is not None:
+            if not self.lockstep.leader:
+                raise RuntimeError("a follower engine takes its requests from the leader, not add_request")
+            if not params.greedy and params.seed is None:  # every rank must draw the same tokens
+                params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+        seq = self._sequence(RequestSpec(request_id or uuid.uuid4().hex, ids, params,
+                                         None if ignore_eos else self.cfg.eos_token_id, list(images)), on_output)
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down and takes no new requests")
@@ -196,6 +225,11 @@ class LLMEngine:
             self._inbox.append(seq)
             self._lock.notify()
         return seq
+
+    @staticmethod
+    def _sequence(spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
+        return Sequence(spec.request_id, spec.prompt_ids, spec.params, SamplerState.create(spec.params),
+                        eos_token_id=spec.eos_token_id, on_output=on_output, images=list(spec.images))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its state is freed at the start of the next step."""
@@ -219,9 +253,18 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for seq in inbox:
-            self.scheduler.waiting.append(seq)  # capacity was checked in add_request
-        if self._abort_all:
+        abort_all = self._abort_all
+        self.scheduler.waiting.extend(inbox)  # capacity was checked in add_request
+        if self.lockstep is not None:
+            leader = self.lockstep.leader
+            shared = self._share(StepInputs([self._spec(s) for s in inbox], aborts, abort_all) if leader else None)
+            if shared.stop:
+                self._stop = True
+                return []
+            if not leader:
+                self.scheduler.waiting.extend(self._sequence(r, self._follower_output) for r in shared.arrivals)
+                aborts, abort_all = shared.aborts, shared.abort_all
+        if abort_all:
             aborts += [s.request_id for s in self.scheduler.all_sequences()]
         for rid in aborts:
             seq = self.scheduler.find(rid)
@@ -279,6 +322,18 @@ class LLMEngine:
         for seq, out in outputs:
             self._deliver(seq, out)
         return [out for _, out in outputs]
+
+    @staticmethod
+    def _spec(seq: Sequence) -> RequestSpec:
+        return RequestSpec(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images)
+
+    def _share(self, inputs: StepInputs | None) -> StepInputs:
+        """The leader's step inputs on every rank (a broken link stops this engine: its replicas cannot go on)."""
+        try:
+            return self.lockstep.share(inputs)
+        except Exception as exc:
+            raise LockstepError(f"the expert-parallel group lost its step link ({type(exc).__name__}: {exc}); "
+                                f"this rank stops") from exc
 
     def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its logits row (each with its own sampler)."""
@@ -377,18 +432,54 @@ class LLMEngine:
 
     def _loop(self) -> None:
         while True:
+            idle_since = time.monotonic()
             with self._lock:
                 while not (self._stop or self._inbox or self._aborts or self.scheduler.has_work):
                     self._lock.wait(timeout=1.0)
+                    if self.lockstep is not None and time.monotonic() - idle_since > KEEPALIVE_SECONDS:
+                        break  # an empty step, so that the followers' wait does not time out
                 if self._stop:
                     return
             try:
-                self.step()
-            except Exception as exc:  # keep serving: fail what was in flight
-                log.exception("engine step failed")
+                self._step_or_fail()
+            except LockstepError:  # the group is gone: fail what is in flight, take nothing new
+                log.exception("engine loop stopped")
+                with self._lock:
+                    self._accepting = False
+                    self.scheduler.waiting.extend(self._inbox)
+                    self._inbox = []
                 for seq in self.scheduler.all_sequences():
-                    self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
-                self._flush_removals()
+                    self._deliver(seq, self._finish(seq, ERROR, "the expert-parallel group stopped"))
+                return
+
+    def _step_or_fail(self) -> None:
+        """One step; if it fails, fail what was in flight and keep serving."""
+        try:
+            self.step()
+        except LockstepError:
+            raise
+        except Exception as exc:
+            log.exception("engine step failed")
+            for seq in self.scheduler.all_sequences():
+                self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
+            self._flush_removals()
+
+    def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """A follower rank's engine (expert-parallel serving): step with the leader until it stops; on_output gets
+        this replica's outputs of every request (for logs and checks: the leader's are the ones served). SIGINT is
+        ignored meanwhile (torchrun passes Ctrl-C to every rank): the leader drains and then stops the group, and a
+        follower interrupted mid-step would leave its replica out of step or the leader waiting on it."""
+        if self.lockstep is None or self.lockstep.leader:
+            raise RuntimeError("follow() is for the follower engines of an expert-parallel group")
+        self._follower_output = on_output
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            while not self._stop:
+                self._step_or_fail()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
 
     def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish for up to drain_timeout seconds, abort the rest, stop the
@@ -415,6 +506,11 @@ class LLMEngine:
                 self._lock.notify_all()
             self._thread.join(timeout=30)
             self._thread = None
+        if self.lockstep is not None and self.lockstep.leader:
+            try:
+                self._share(StepInputs(stop=True))
+            except LockstepError:
+                log.exception("could not tell the follower ranks to stop")
         if self.prefix_cache is not None and self.config.prefix_cache_dir:
             path = self.prefix_cache.save(self.config.prefix_cache_dir)
             log.info("prefix cache: saved %d entries to %s", len(self.prefix_cache.entries), path)
