@@ -49,6 +49,10 @@ def _expert_flags(parser: argparse.ArgumentParser) -> None:
                              "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
     parser.add_argument("--expert-cache-bytes", type=int, default=0,
                         help="with host / disk: bytes of recently used experts kept ready (LRU; 0 = no limit)")
+    parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                        help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
+                             "on CPU, nccl on GPU): each holds 1/N of them, the rest is replicated; a server's rank 0 "
+                             "takes the requests and every rank runs the same engine steps")
     parser.add_argument("--expert-prefetch", action="store_true",
                         help="with disk: decode steps start reading the experts this and the next layer's routers "
                              "predict (off by default: slower where disk reads dominate; docs/benchmarks.md)")
@@ -233,9 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
     _compile_flag(gen)
     _expert_flags(gen)
-    gen.add_argument("--expert-parallel", type=int, default=1, metavar="N",
-                     help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
-                          "on CPU, nccl on GPU): each holds 1/N of them, the rest is replicated")
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,

@@ -64,7 +64,7 @@ def _expert_group(args: Any) -> Any:
         raise OpenflashError(f"--expert-parallel must be >= 1, got {args.expert_parallel}")
     if int(os.environ.get("WORLD_SIZE", "1")) != args.expert_parallel:
         raise OpenflashError(f"--expert-parallel {args.expert_parallel} runs as that many processes: launch with "
-                             f"`torchrun --nproc_per_node {args.expert_parallel} -m openflash.cli generate ...` "
+                             f"`torchrun --nproc_per_node {args.expert_parallel} -m openflash.cli {args.command} ...` "
                              f"(WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')})")
     if args.speculative is not None:
         raise OpenflashError("--expert-parallel does not combine with --speculative yet")
@@ -131,8 +131,9 @@ def serving_memory(loaded: LoadedModel, placement: str, model_arg: str, scratch:
         return loaded.memory("device")
 
     if placement == "sharded":
-        raise OpenflashError("--engram-placement sharded needs a torch.distributed group of ranks; `openflash serve` "
-                             "runs one process (use host or disk)")
+        raise OpenflashError("--engram-placement sharded splits the tables over a torch.distributed group, which "
+                             "`generate` and `serve` do not set up for them (with or without --expert-parallel): use "
+                             "host or disk")
     cfg = model.cfg
     quantized = model.quantize_engram_tables()  # host and disk tiers hold FP8 rows (checkpoint row format)
     if quantized:
@@ -162,6 +163,7 @@ def serve(args: Any) -> int:
     from openflash.chat import chat_format
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.engine.lockstep import Lockstep
     from openflash.serve.app import ServerConfig, build_app
     from openflash.serve.images import ImagePolicy
     from openflash.vision.preprocess import ImageLimits
@@ -181,10 +183,11 @@ def serve(args: Any) -> int:
     # The disk tier reading table files already there: the checkpoint's own tables need not be read at all.
     tables_on_disk = args.engram_placement == "disk" and args.model not in PRESETS and (
         args.engram_table_dir is not None or (Path(args.model) / "engram_tables").is_dir())
+    group = _expert_group(args)
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
                         expert_prefetch=args.expert_prefetch, skip_engram_tables=tables_on_disk,
-                        compile=args.compile)
+                        compile=args.compile, expert_group=group)
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
@@ -200,7 +203,14 @@ def serve(args: Any) -> int:
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         prefill_batch=args.prefill_batch, prefill_padding=args.prefill_padding, max_waiting=args.max_waiting,
         engram_speculate=speculate, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens),
-        memory, loaded.experts)
+        memory, loaded.experts, None if group is None else Lockstep(group.rank, group.world_size))
+    if group is not None and group.rank != 0:  # rank 0 serves HTTP; this rank runs the same engine steps
+        log.info("rank %d of %d: stepping with rank 0's engine (%s)", group.rank, group.world_size, note)
+        engine.follow()
+        log.info("rank %d: rank 0 stopped the group", group.rank)
+        memory.close()
+        scratch.cleanup()
+        return 0
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
     if args.thinking and fmt.name != "deepseek-v4.1":
