@@ -262,7 +262,8 @@ class Transformer(nn.Module):
         token). Decode steps (S = 1) are the same in both modes. experts: where the routed experts come from when
         the model was loaded without them (memory/experts.py). lengths [B]: rows of different lengths packed into
         one call, right-padded: row b's first lengths[b] tokens are real, its padding leaves no trace in the cache
-        (positions advance by lengths[b]) and the logits are those of its last real token.
+        (positions advance by lengths[b]) and the logits are those of its last real token (with all_logits, the
+        padded positions' rows mean nothing).
         """
         return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
                           lengths=lengths)[0]
