@@ -448,8 +448,7 @@ class LLMEngine:
                     self._accepting = False
                     self.scheduler.waiting.extend(self._inbox)
                     self._inbox = []
-                for seq in self.scheduler.all_sequences():
-                    self._deliver(seq, self._finish(seq, ERROR, "the expert-parallel group stopped"))
+                self._fail_in_flight("the expert-parallel group stopped")
                 return
 
     def _step_or_fail(self) -> None:
@@ -460,9 +459,12 @@ class LLMEngine:
             raise
         except Exception as exc:
             log.exception("engine step failed")
-            for seq in self.scheduler.all_sequences():
-                self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
-            self._flush_removals()
+            self._fail_in_flight(f"{type(exc).__name__}: {exc}")
+
+    def _fail_in_flight(self, error: str) -> None:
+        for seq in self.scheduler.all_sequences():
+            self._deliver(seq, self._finish(seq, ERROR, error))
+        self._flush_removals()
 
     def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
         """A follower rank's engine (expert-parallel serving): step with the leader until it stops; on_output gets

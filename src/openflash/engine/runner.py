@@ -168,17 +168,17 @@ class ModelRunner:
         row to the pack's longest keeps the padding within `prefill_padding` of the pack's tokens."""
         order = sorted(members, key=lambda i: tasks[i].start - tasks[i].end)  # longest first (stable)
         packs: list[list[int]] = []
-        real = 0
+        width = real = 0  # the current pack's longest chunk and its real tokens
         for i in order:
             n = tasks[i].end - tasks[i].start
-            if packs and len(packs[-1]) < self.prefill_batch:
-                width = tasks[packs[-1][0]].end - tasks[packs[-1][0]].start
-                if width * (len(packs[-1]) + 1) * (1 - self.prefill_padding) <= real + n:
-                    packs[-1].append(i)
-                    real += n
-                    continue
-            packs.append([i])
-            real = n
+            joins = packs and len(packs[-1]) < self.prefill_batch and \
+                width * (len(packs[-1]) + 1) * (1 - self.prefill_padding) <= real + n
+            if joins:
+                packs[-1].append(i)
+                real += n
+            else:
+                packs.append([i])
+                width = real = n
         return packs
 
     def _prefill_pack(self, tasks: list[ChunkTask]) -> list[torch.Tensor | None]:

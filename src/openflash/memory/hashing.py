@@ -361,11 +361,6 @@ class NgramHasher:
         v = torch.stack(ngram_hashes, dim=-1)  # [B, S, L, N-1], all non-negative
         rows = torch.remainder(v.unsqueeze(-1), primes) + offsets  # [B, S, L, N-1, heads]
         rows = rows.reshape(B, S, len(layout.layer_ids), layout.num_columns)
-        keep = max(H, state.history.shape[1])  # a longer history (rollback room) keeps its width
-        if lengths is not None:
-            new_state = state.extend(ids, keep, lengths)
-        elif keep > H:
-            new_state = EngramHashState(torch.cat([state.history.to(device), ids], dim=1)[:, -keep:].clone())
-        else:
-            new_state = EngramHashState(full[:, S:].clone())
+        # The state keeps at least H ids; a longer history (rollback room) keeps its width.
+        new_state = EngramHashState(state.history.to(device)).extend(ids, max(H, state.history.shape[1]), lengths)
         return rows, new_state

@@ -21,7 +21,7 @@ from torch import nn
 from openflash.config import FlashConfig, LayerMode, LayerTopology
 from openflash.model.cache import CompressedCache
 from openflash.model.compiled import compiled, matmul_unshared
-from openflash.model.context import CompressedView, StepContext
+from openflash.model.context import CompressedView, StepContext, real_tokens
 from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.numerics import Numerics
@@ -54,8 +54,7 @@ class Compressor(nn.Module, NumericsMixin):
         b's real tokens (right-padded rows, StepContext.lengths); a group is complete only with real tokens."""
         B, S, _ = x.shape
         r = self.ratio
-        valid = torch.ones_like(positions, dtype=torch.bool) if lengths is None else \
-            torch.arange(S, device=x.device) < lengths.unsqueeze(1)
+        valid = real_tokens(positions, lengths)
         if r == 1:
             latent = self.norm(self.wkv(x))
             return latent, positions, valid

@@ -397,13 +397,7 @@ def _concat_replay(buffers: list[ReplayBuffer | None]) -> ReplayBuffer | None:
         return None
     if any(b is None for b in buffers):
         raise ValueError("caches to batch must all hold a pending bounded-replay prefill or none")
-    width = max(b.positions.shape[1] for b in buffers)
-
-    def pad(t: torch.Tensor, fill: float) -> torch.Tensor:
-        missing = width - t.shape[1]
-        return t if missing == 0 else torch.cat((t, t.new_full((t.shape[0], missing, *t.shape[2:]), fill)), dim=1)
-
-    return ReplayBuffer(*(torch.cat([pad(getattr(b, name), fill) for b in buffers])
+    return ReplayBuffer(*(_pad_cat([getattr(b, name) for b in buffers], 1, fill)
                           for name, fill in (("residual", 0.0), ("pre_mix", 0.0), ("positions", -1),
                                              ("image_mask", False))),
                         torch.cat([b.lengths for b in buffers]))

@@ -32,6 +32,14 @@ class Probe(Protocol):
         forcing, so each block is compared on identical inputs and one rounding difference cannot snowball)."""
 
 
+def real_tokens(positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] bool, like positions: the first lengths[b] entries of each right-padded row (all where lengths is
+    None)."""
+    if lengths is None:
+        return torch.ones_like(positions, dtype=torch.bool)
+    return torch.arange(positions.shape[1], device=positions.device) < lengths.unsqueeze(1)
+
+
 @dataclass
 class CompressedView:
     """The compressed entries a layer may read: [0, length[b]) of row b."""
@@ -64,10 +72,7 @@ class StepContext:
     @property
     def valid(self) -> torch.Tensor:
         """[B, S] bool: the real tokens."""
-        S = self.positions.shape[1]
-        if self.lengths is None:
-            return torch.ones_like(self.positions, dtype=torch.bool)
-        return torch.arange(S, device=self.positions.device) < self.lengths.unsqueeze(1)
+        return real_tokens(self.positions, self.lengths)
 
     @property
     def last_positions(self) -> torch.Tensor:

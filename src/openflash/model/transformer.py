@@ -34,7 +34,7 @@ from openflash.model import dspark
 from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer, append_replay
 from openflash.model.compiled_blocks import CompiledBlock
-from openflash.model.context import CompressedView, Probe, StepContext
+from openflash.model.context import CompressedView, Probe, StepContext, real_tokens
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.dspark import DSparkStage
 from openflash.model.engram import EngramRows
@@ -66,9 +66,7 @@ class TargetHidden:
     @property
     def valid(self) -> torch.Tensor | None:
         """[B, S'] bool: the real positions (None: all)."""
-        if self.lengths is None:
-            return None
-        return torch.arange(self.positions.shape[1], device=self.positions.device) < self.lengths.unsqueeze(1)
+        return None if self.lengths is None else real_tokens(self.positions, self.lengths)
 
     def last(self) -> torch.Tensor:
         """main_hidden of each row's last real position [B, 1, n_targets * dim]."""
