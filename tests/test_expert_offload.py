@@ -228,13 +228,31 @@ def test_serve_with_expert_parallelism_under_torchrun(ckpt):
     assert "LockstepError" not in log and "engine step failed" not in log, log[-3000:]
 
 
-def test_expert_parallel_needs_its_processes(ckpt):
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]], ids=["generate", "serve"])
+def test_expert_parallel_needs_its_processes(ckpt, command):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "openflash.cli", "generate", "--model", str(ckpt), "--prompt", "x",
+    out = subprocess.run([sys.executable, "-m", "openflash.cli", command[0], "--model", str(ckpt), *command[1:],
                           "--expert-parallel", "2"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "torchrun --nproc_per_node 2" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"torchrun --nproc_per_node 2 -m openflash.cli {command[0]} ..." in out.stderr
+
+
+def test_engine_replicas_refuse_what_they_cannot_share(ckpt, tmp_path):
+    """A persisted prefix cache with expert parallelism is refused by name; a follower takes no add_request."""
+    from openflash.engine.lockstep import Lockstep
+
+    loaded = open_model(str(ckpt))
+    with pytest.raises(OpenflashError, match="persisted prefix cache .prefix_cache_dir. is not supported with expert "
+                                             "parallelism"):
+        LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(prefix_cache_dir=str(tmp_path)), None, None,
+                  Lockstep(0, 2))
+    follower = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(), None, None, Lockstep(1, 2))
+    with pytest.raises(RuntimeError, match="a follower engine takes its requests from the leader"):
+        follower.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        Lockstep(0, 1)
 
 
 def test_bad_store_settings_are_named(ckpt):
