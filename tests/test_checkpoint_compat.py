@@ -12,17 +12,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.checkpoint import TOKEN_MAP_FILE, load_checkpoint
+from openflash.checkpoint import load_checkpoint
+from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import CheckpointError, ConfigError
+from openflash.memory.tokenmap import TOKEN_MAP_FILES
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 GOLDEN_B2 = Path(__file__).parent / "goldens" / "B2"
+TOKEN_MAP_FILE = TOKEN_MAP_FILES[0]
 
 
 def _golden_copy(tmp_path: Path, edit_config=None, edit_tensors=None, golden: Path = GOLDEN_A) -> Path:
@@ -162,3 +165,65 @@ def test_checkpoint_carries_its_own_token_map(tmp_path, caplog):
     (folder / TOKEN_MAP_FILE).write_bytes(b"not npy")
     with pytest.raises(ConfigError, match="not a readable .npy token map"):
         load_checkpoint(folder)
+
+
+def test_token_map_from_a_json_sidecar(tmp_path, caplog):
+    _, full = load_checkpoint(GOLDEN_A)
+    ids = full.engram_frontend.token_map.ids.copy()
+    ids[[10, 11]] = ids[[11, 10]]
+    folder = _golden_copy(tmp_path)
+    for body in (ids.tolist(), {"token_map": ids.tolist()}, {"compressed_ids": ids.tolist()}):
+        (folder / "engram_token_map.json").write_text(json.dumps(body))
+        with caplog.at_level(logging.INFO, logger="openflash.checkpoint"):
+            _, report = load_checkpoint(folder)
+        assert np.array_equal(report.engram_frontend.token_map.ids, ids)
+        assert any("engram_token_map.json" in r.message for r in caplog.records)
+    (folder / "engram_token_map.json").write_text(json.dumps({"map": [1, 2]}))
+    with pytest.raises(ConfigError, match="engram_token_map.json: a JSON token map .* one of the keys"):
+        load_checkpoint(folder)
+    (folder / "engram_token_map.json").write_text("[1, 2, 3.5]")
+    with pytest.raises(ConfigError, match="engram_token_map.json: a JSON token map is a list of integers"):
+        load_checkpoint(folder)
+
+
+def test_a_token_map_mismatch_says_how_to_ship_a_map(tmp_path):
+    def shrink(config):
+        config["text_config"]["engram_compressed_vocab_size"] -= 1
+
+    folder = _golden_copy(tmp_path, edit_config=shrink)
+    with pytest.raises(ConfigError, match="engram_token_map.npy or engram_token_map.json"):
+        load_checkpoint(folder)
+
+
+def test_vision_config_without_preprocessing_keys_gets_the_released_values(tmp_path, caplog):
+    def drop(config):
+        del config["vision_config"]["min_pixels"], config["vision_config"]["max_wh_ratio"]
+
+    folder = _golden_copy(tmp_path, edit_config=drop, golden=GOLDEN_B2)
+    with caplog.at_level(logging.INFO, logger="openflash.config"):
+        model, _ = load_checkpoint(folder)
+    assert (model.cfg.vision.min_pixels, model.cfg.vision.max_wh_ratio) == (295_936, None)
+    assert any("min_pixels, max_wh_ratio not set" in r.message for r in caplog.records)
+
+
+def test_generate_names_the_tokenizer_it_tried(capsys):
+    """Golden A has no tokenizer.json: DeepSeek's full tokenizer is tried, and its ids run past the 1,024-id vocab."""
+    assert cli_main(["generate", "--model", str(GOLDEN_A), "--prompt", "zebra quantum", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "outside the model's vocabulary (0..1023)" in err and "DeepSeek tokenizer" in err
+    assert f"{GOLDEN_A} has no tokenizer.json" in err and "--tokenizer" in err
+
+
+def test_generate_from_token_ids_with_numerics_and_prefill_mode(capsys):
+    ids = [0, 5, 17, 300, 41, 9]
+    assert cli_main(["generate", "--model", str(GOLDEN_A), "--prompt-ids", "0, 5,17 300,41,9", "--numerics",
+                     "reference", "--prefill", "exact", "--max-tokens", "3"]) == 0
+    printed = capsys.readouterr().out
+    model, report = load_checkpoint(GOLDEN_A, numerics="reference")
+    want = generate(model, report.tokenizer, ids, SamplingParams(max_tokens=3), mode="exact")
+    assert f"# generated ids: {want.token_ids}" in printed
+    with pytest.raises(SystemExit, match="2"):
+        cli_main(["generate", "--model", str(GOLDEN_A), "--prompt-ids", "5,x"])
+    assert "token ids are integers separated by commas or spaces, got '5,x'" in capsys.readouterr().err
+    assert cli_main(["generate", "--model", str(GOLDEN_A), "--prompt-ids", "5", "--numerics", "fp16"]) == 2
+    assert "numerics must be one of" in capsys.readouterr().err

@@ -312,11 +312,49 @@ def test_table_truncated_while_in_use_fails_the_step_not_the_process(base, refer
         assert torch.equal(model.step(ids, cache, engram=memory.prepare(ids, cache)), reference[0])
         path = memory.tables[1].path
         whole = path.read_bytes()
+        assert memory.problem() is None
         os.truncate(path, read_table_header(path).data_offset + 64)
+        assert f"{path}: the file has {read_table_header(path).data_offset + 64} bytes" in memory.problem()
         with pytest.raises(EngramTableError, match=re.escape(f"{path}: truncated while in use")):
             run(model, memory)
         path.write_bytes(whole)
+        assert memory.problem() is None
         assert torch.equal(run(model, memory), reference)
+
+
+def test_a_server_over_a_truncated_table_answers_503_without_paths(base, table_dir, tmp_path, caplog):
+    """Clients get a 503 that names no server file (the log does), /health says degraded until the file is whole."""
+    import httpx
+    from test_server import LiveServer
+
+    from openflash.chat import chat_format
+    from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.serve.app import ServerConfig, build_app
+    from openflash.tokenizer import preset_tokenizer
+
+    folder = tmp_path / "tables"
+    shutil.copytree(table_dir, folder)
+    model, tok = copy.deepcopy(base), preset_tokenizer(base.cfg)
+    memory = EngramMemory.attach(model, "disk", table_dir=folder)
+    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, max_context=64, prefix_cache=False), memory)
+    app = build_app(engine, tok, ServerConfig("tiny", chat_format(tok, 0, 1), drain_timeout=1.0))
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 2}
+    path = memory.tables[1].path
+    whole = path.read_bytes()
+    with LiveServer(app) as server:
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        os.truncate(path, read_table_header(path).data_offset + 64)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engram_unavailable", r.text
+        assert str(tmp_path) not in r.text and "oftable" not in r.text
+        assert any(str(path) in rec.getMessage() or (rec.exc_info and str(path) in str(rec.exc_info[1]))
+                   for rec in caplog.records)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "degraded" and "oftable" not in health.text
+        path.write_bytes(whole)
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    memory.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -385,9 +385,32 @@ def test_resume_from_a_damaged_checkpoint_is_one_line(dataset: Path, tmp_path: P
     assert cli_main(argv(1)) == 0
     damage(latest_checkpoint(out))
     capsys.readouterr()
-    assert cli_main(argv(2, "--resume")) == 2
+    assert cli_main(argv(2, "--resume")) == 2  # the checksums catch it first
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fail verification" in err[0] and "--no-verify" in err[0], err
+    assert cli_main(argv(2, "--resume", "--no-verify")) == 2  # and without them, the loader names it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0] and str(latest_checkpoint(out)) in err[0], err
+
+
+def test_resume_verifies_the_checkpoint_it_wrote(dataset: Path, tmp_path: Path, capsys):
+    """Flipped weight bytes (still a readable file): resume refuses, naming the file, instead of training on and
+    writing fresh checksums that bless the damage; --no-verify is the user's explicit choice."""
+    out = tmp_path / "run"
+    argv = ["train", "--config", "tiny", "--data", str(dataset), "--out", str(out), "--batch-size", "2", "--seq-len",
+            "32", "--eval-every", "0", "--save-every", "1"]
+    assert cli_main(argv + ["--steps", "1"]) == 0
+    weights = latest_checkpoint(out) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(argv + ["--steps", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: sha256 differs" in err and "--no-verify" in err
+    assert latest_checkpoint(out).name == "step_00000001"  # nothing trained, nothing written
+    assert cli_main(argv + ["--steps", "2", "--resume", "--no-verify"]) == 0
+    assert latest_checkpoint(out).name == "step_00000002"
 
 
 def test_partial_checkpoint_folders_are_removed_at_start(dataset: Path, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from openflash.memory.placement import EngramMemory
 from openflash.model.vision import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import (ImageError, ImageLimits, decode_image, num_image_tokens, plan_grid,
-                                         prepare_image)
+                                         prepare_image, usable_aspect)
 from openflash.vision.prompt import EncodedImages, assemble, key_ids, text_prompt
 
 RELEASED = VisionConfig(32, 1024, 16, 2816, 14, 10000.0, 3, 1024, 295_936, None)
@@ -149,6 +149,22 @@ def test_broken_images_are_refused_with_a_named_error():
         decode_image(bomb, ImageLimits(max_pixels=1_000_000))
     with pytest.raises(ImageError, match="cannot read"):
         prepare_image("/nonexistent/cat.png", B2)
+
+
+def test_elongated_images_are_refused_from_their_header():
+    """A 1 x 39,999,999 PNG is 155 KB and under the pixel limit, but the preprocessing would pad it into a strip
+    less than a pixel wide after decoding 40 Mpx: refused from the header, before any pixel is decoded."""
+    strip = _png(Image.new("L", (1, 39_999_999)))
+    assert len(strip) < 200_000
+    with pytest.raises(ImageError, match=r"1x39999999, 39999999:1 tall; .* beyond 1533:1"):
+        prepare_image(strip, RELEASED)
+    assert usable_aspect(RELEASED, wide=True) == 3063 and usable_aspect(B2, wide=False) == 21
+    with pytest.raises(ImageError, match="3100x1, 3100:1 wide"):
+        prepare_image(Image.new("RGB", (3100, 1)), RELEASED)
+    for size in ((3000, 1), (14, 14 * 21)):  # within the limits: used, each keeping at least one patch
+        cfg = RELEASED if size[1] == 1 else B2
+        image = prepare_image(Image.new("RGB", size), cfg)
+        assert image.grid.n_vit_h >= 1 and image.grid.n_vit_w >= 1
 
 
 def test_vision_config_errors_name_the_key():

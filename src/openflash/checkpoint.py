@@ -22,7 +22,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -37,7 +37,7 @@ from openflash.manifest import verify_manifest, write_manifest
 from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
-from openflash.memory.tokenmap import TokenMap
+from openflash.memory.tokenmap import TokenMap, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
@@ -45,6 +45,8 @@ from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
 from openflash.run_dir import latest_checkpoint
 from openflash.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
+from openflash.vision.preprocess import ImageSource
+from openflash.vision.prompt import PromptImage, text_prompt
 
 log = logging.getLogger("openflash.checkpoint")
 
@@ -57,8 +59,6 @@ _FLOAT_ST = ("BF16", "F32", "F16")
 _FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
                          r"|mtp\.0\.main_proj)\.weight$")
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
-# A checkpoint may carry its own Engram token map (models whose tokenizer is not DeepSeek's): TokenMap.from_file.
-TOKEN_MAP_FILE = "engram_token_map.npy"
 # Tensors a text-only writer leaves out of a config that has a vision tower: (pattern, why zeros are right).
 _ZERO_IF_ABSENT = ((re.compile(r"ffn\.gate\.bias_vl$"), "the router's image-token bias; zeros route images like text"),)
 _ROUTED_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.")  # the backbone's (not the DSpark stages')
@@ -72,6 +72,7 @@ class LoadReport:
     skipped: dict[str, int] = field(default_factory=dict)  # part left unread -> tensor count
     residency: str = "dequantized"  # weight residency the model runs with (Transformer.set_weight_residency)
     tokenizer: Tokenizer | None = None  # the checkpoint's tokenizer.json, else the DeepSeek tokenizer
+    tokenizer_source: str = ""  # which tokenizer that is, for error messages
     engram_frontend: EngramFrontend | None = None  # token map (its own file, else the tokenizer's) and hasher
 
     def summary(self) -> str:
@@ -129,6 +130,28 @@ class LoadedModel:
     engram_frontend: EngramFrontend | None
     note: str  # what was loaded, for logs
     experts: ExpertStore | None = None  # the routed experts when they are not the model's own (host / disk)
+    tokenizer_source: str = ""  # which tokenizer was loaded (a path, or why DeepSeek's), for error messages
+
+    def prompt_ids(self, prompt: str | list[int], images: Sequence[ImageSource] = ()) -> tuple[list[int],
+                                                                                            list[PromptImage]]:
+        """A prompt's token ids (text through the tokenizer, with images placed; ids as given) and image spans,
+        checked against the model's vocabulary with an error naming the tokenizer that produced them."""
+        if isinstance(prompt, str):
+            ids, placed = text_prompt(self.tokenizer, prompt, images, self.model.cfg)
+        elif images:
+            raise CheckpointError("images come with a text prompt (its <image> placeholders), not with token ids")
+        else:
+            ids, placed = list(prompt), []
+        vocab = self.model.cfg.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            made = f"; the ids came from {self.tokenizer_source}: give the model's own with --tokenizer PATH" \
+                if isinstance(prompt, str) else ""
+            raise CheckpointError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
+                                  + made)
+        if not ids:
+            raise CheckpointError("the prompt is empty")
+        return ids, placed
 
     def memory(self, placement: str = "device", **kwargs: Any) -> EngramMemory:
         """The model's Engram memory in `placement` (EngramMemory.attach's keyword arguments)."""
@@ -172,7 +195,9 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
         return LoadedModel(build_model(cfg, policy, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
-                           f"preset '{spec}' with random weights (outputs are noise)")
+                           f"preset '{spec}' with random weights (outputs are noise)",
+                           tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
+                           f"preset {spec!r}'s cut of the DeepSeek tokenizer")
     offload = expert_placement != "device"
     model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
                                     weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
@@ -180,7 +205,7 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
                         device, group=expert_group, prefetch=expert_prefetch) if offload else None
     note = report.summary() + (f"; routed experts on {expert_placement}" +
                                (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
-    return LoadedModel(model, report.tokenizer, report.engram_frontend, note, store)
+    return LoadedModel(model, report.tokenizer, report.engram_frontend, note, store, report.tokenizer_source)
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
@@ -204,12 +229,16 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         verify_manifest(folder)
     cfg = load_config(folder)
     files = _TensorFiles(folder)
-    tok_path = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
-    tokenizer = load_tokenizer(tok_path if tok_path.exists() else DEEPSEEK)
-    token_map = TokenMap.from_file(folder / TOKEN_MAP_FILE, cfg) \
-        if cfg.engram_layer_ids and (folder / TOKEN_MAP_FILE).is_file() else None
-    if token_map is not None:
-        log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, TOKEN_MAP_FILE)
+    if tokenizer_path:
+        tokenizer, tokenizer_source = load_tokenizer(tokenizer_path), f"--tokenizer {tokenizer_path}"
+    elif (folder / "tokenizer.json").is_file():
+        tokenizer, tokenizer_source = load_tokenizer(folder / "tokenizer.json"), str(folder / "tokenizer.json")
+    else:
+        tokenizer, tokenizer_source = load_tokenizer(DEEPSEEK), f"the DeepSeek tokenizer ({folder} has no tokenizer.json)"
+    map_file = find_token_map_file(folder) if cfg.engram_layer_ids else None
+    token_map = TokenMap.from_file(map_file, cfg) if map_file is not None else None
+    if map_file is not None:
+        log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, map_file.name)
     model = build_model(cfg, numerics, device="meta")
     expected = model.state_dict()
     if weights == "auto":
@@ -217,7 +246,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     if weights not in WEIGHT_RESIDENCIES:
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES} or auto, got {weights!r}")
     keep_bf16 = _bf16_matrices(model) if weights == "stored" else set()
-    report = LoadReport(folder, tokenizer=tokenizer, engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
+    report = LoadReport(folder, tokenizer=tokenizer, tokenizer_source=tokenizer_source, engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
 
     problems: list[str] = []
     present = set(files.names())

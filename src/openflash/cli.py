@@ -58,6 +58,19 @@ def _expert_flags(parser: argparse.ArgumentParser) -> None:
                              "predict (off by default: slower where disk reads dominate; docs/benchmarks.md)")
 
 
+def _token_ids(text: str) -> list[int]:
+    """--prompt-ids: "0,5,17", "0 5 17" or "[0, 5, 17]"."""
+    pieces = text.strip().strip("[]").replace(",", " ").split()
+    try:
+        ids = [int(p) for p in pieces]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids are integers separated by commas or spaces, got {text!r}") \
+            from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are one or more integers >= 0, got {text!r}")
+    return ids
+
+
 def _add(sub: argparse._SubParsersAction, name: str, target: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(func=_handler(target))
@@ -184,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=200, help="checkpoint interval in steps")
     train.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    train.add_argument("--no-verify", dest="verify", action="store_false",
+                       help="with --resume: skip checking the checkpoint against its checksums.sha256 (checked by "
+                            "default: the run wrote them itself)")
     train.add_argument("--seed", type=int, default=0, help="random seed")
     train.add_argument("--compile", action="store_true",
                        help="each block's forward and backward through torch.compile, same math (needs a C++ "
@@ -224,8 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = _add(sub, "generate", "openflash.commands.run:generate", "generate text from a model")
     gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
-    gen.add_argument("--prompt", required=True, help="prompt text (with --image: each <image> in it takes the next "
-                     "image; without one, the images come first)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (with --image: each <image> in it takes the next image; "
+                        "without one, the images come first)")
+    prompt.add_argument("--prompt-ids", metavar="IDS", type=_token_ids,
+                        help="the prompt as token ids, comma- or space-separated (\"0,5,17\"), as another engine "
+                             "tokenized it; the output then prints the generated ids too")
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image file (PNG, JPEG, ...) for a model with a vision tower; repeat for several")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
@@ -235,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
     gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    gen.add_argument("--numerics", default="fp32",
+                     help="the numerics policy (model/numerics.py): fp32 (default), reference (the official code's "
+                          "bf16 and QDQ roundings, as the parity goldens), plain or train")
+    gen.add_argument("--prefill-mode", "--prefill", default="bounded", choices=["bounded", "exact"],
+                     help="CED prefill: bounded replay of the decoder half (default) or exact (every layer on every "
+                          "prompt token)")
     _compile_flag(gen)
     _expert_flags(gen)
     gen.add_argument("--speculative", default=None, choices=["dspark"],
@@ -284,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check the checkpoint (and --engram-table-dir) against their checksums.sha256 first")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
-                            "OPENFLASH_API_KEY environment variable; /health and /metrics stay open)")
+                            "OPENFLASH_API_KEY environment variable; /health and /metrics stay open, /docs and "
+                            "/openapi.json are not served; an empty key is refused)")
     serve.add_argument("--speculative", default=None, choices=["dspark"],
                        help="speculative decoding with the model's DSpark draft head; acceptance in /metrics")
     serve.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -298,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=32 << 20,
                        help="largest request body accepted; larger ones get 413 before they are read (default 32 MiB: "
                             "images arrive inline as base64)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request body whose next bytes take longer than this gets 408 (a stalled upload does "
+                            "not hold its connection)")
     serve.add_argument("--max-images", type=int, default=8, help="most images per request (vision models)")
     serve.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest encoded image (default 20 MiB)")
     serve.add_argument("--max-image-pixels", type=int, default=40_000_000,

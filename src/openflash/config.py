@@ -164,6 +164,11 @@ class DSparkConfig:
     num_experts_per_tok: int
 
 
+# Preprocessing keys that writers of other engines' checkpoints often leave out: the released values (spec
+# vision_and_dspark.md §A.1) apply, as for the text config's optional keys.
+VISION_DEFAULTS: dict[str, Any] = {"min_pixels": 295_936, "max_wh_ratio": None}
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision tower and aligner (vision_and_dspark.md §A.1; HF `vision_config`): a ViT over 14x14 patches and a
@@ -187,10 +192,14 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "vision_config") -> "VisionConfig":
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in raw]
+        defaulted = [n for n in VISION_DEFAULTS if n not in raw]
+        missing = [n for n in names if n not in raw and n not in VISION_DEFAULTS]
         if missing:
             raise ConfigError(f"{source}: missing key(s) {missing}")
-        values = {n: raw[n] for n in names}
+        if defaulted:
+            log.info("%s: %s not set; the released values apply (%s)", source, ", ".join(defaulted),
+                     ", ".join(f"{n}={VISION_DEFAULTS[n]!r}" for n in defaulted))
+        values = {n: raw.get(n, VISION_DEFAULTS.get(n)) for n in names}
         for n in names:
             v = values[n]
             if n == "max_wh_ratio":

@@ -117,3 +117,24 @@ def tokenizer_sha256(tok_or_path: Tokenizer | str | Path) -> str:
     """sha256 of the tokenizer's canonical JSON (`Tokenizer.to_str()`), so a file and its loaded tokenizer agree."""
     tokenizer = tok_or_path if isinstance(tok_or_path, Tokenizer) else load_tokenizer(tok_or_path)
     return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+# Text whose length a normalizer would change (decomposed and composed accents, a ligature, a full-width letter,
+# a double space): a tokenizer that leaves it alone cannot shrink text before it splits it.
+_SHRINK_PROBE = "E\u0301\u00c9\ufb01\uff21  x"
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most input characters one token can stand for, or None where no such bound holds.
+
+    A token covers at most its vocabulary string's length in characters (byte-level tokenizers store one character
+    per byte, and a character is at least a byte), provided neither the normalizer nor the pre-tokenizer drops
+    characters first: then a
+    text of n characters has at least n / bound tokens, which refuses an oversized prompt without tokenizing it."""
+    normalizer, splitter = tokenizer.normalizer, tokenizer.pre_tokenizer
+    if normalizer is not None and normalizer.normalize_str(_SHRINK_PROBE) != _SHRINK_PROBE:
+        return None
+    if splitter is not None and sum(len(p) for p, _ in splitter.pre_tokenize_str(_SHRINK_PROBE)) < len(_SHRINK_PROBE):
+        return None  # the pre-tokenizer drops characters (whitespace splitting)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(token) for token in vocab), default=0) or None

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from openflash.chat.json_limits import MAX_JSON_DEPTH, walk_json
 from openflash.errors import RequestError
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -168,6 +169,13 @@ def check_arguments(arguments: Any, where: str) -> str:
             value = json.loads(arguments)
         except ValueError as exc:
             raise RequestError(f"{where}: not valid JSON ({exc})", param=where) from None
+        except RecursionError:  # the parser's own bound, near 1,000 levels
+            value = None
+            deep = True
+        else:
+            deep = any(depth > MAX_JSON_DEPTH for _, depth, _ in walk_json(value))
+        if deep:
+            raise RequestError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep", param=where)
     if not isinstance(value, dict):
         raise RequestError(f"{where}: must be a JSON object, got {type(value).__name__}", param=where)
     return json.dumps(value, ensure_ascii=False)

@@ -40,7 +40,7 @@ def generate(args: Any) -> int:
     apply_placement(args)
     engram = getattr(args, "engram_placement", "device")
     group = _expert_group(args)
-    loaded = open_model(args.model, args.tokenizer, verify=args.verify, weights=args.weights,
+    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
                         expert_prefetch=args.expert_prefetch,
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
@@ -76,16 +76,19 @@ def _expert_group(args: Any) -> Any:
 def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
+    ids, images = loaded.prompt_ids(args.prompt if args.prompt_ids is None else args.prompt_ids, args.image)
     if args.speculative is not None:
-        return _generate_speculative(loaded, args, params)
+        return _generate_speculative(loaded, args, params, ids, images)
     scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
     memory = loaded.memory() if engram == "device" else serving_memory(
         loaded, engram, args.model, Path(scratch.name), cache_bytes=getattr(args, "engram_cache_bytes", 0) or
         DISK_ROW_CACHE_BYTES)
-    result = generate_text(loaded.model, loaded.tokenizer, args.prompt, params, memory=memory,
-                           images=args.image, experts=loaded.experts)
+    result = generate_text(loaded.model, loaded.tokenizer, ids, params, mode=args.prefill_mode, memory=memory,
+                           images=images, experts=loaded.experts)
     print(f"# {loaded.note}")
-    print(args.prompt + result.text)
+    print(_shown_prompt(loaded, args) + result.text)
+    if args.prompt_ids is not None:
+        print(f"# generated ids: {result.token_ids}")
     print(f"# {result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}); "
           f"prefill {result.prefill_seconds:.2f}s, decode {result.decode_tokens_per_second:.1f} tokens/s"
           + (" (compiled backend: first calls include compilation)" if args.compile else ""))
@@ -96,20 +99,26 @@ def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
     return 0
 
 
-def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams) -> int:
+def _shown_prompt(loaded: LoadedModel, args: Any) -> str:
+    return args.prompt if args.prompt_ids is None else loaded.tokenizer.decode(args.prompt_ids)
+
+
+def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams, ids: list[int],
+                          images: list[Any]) -> int:
     """`generate --speculative dspark`: the engine's speculative rounds on one request."""
     from openflash.engine.engine import EngineConfig, LLMEngine
-    from openflash.vision.prompt import text_prompt
 
-    ids, images = text_prompt(loaded.tokenizer, args.prompt, args.image, loaded.model.cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens), loaded.memory(), loaded.experts)
+        num_speculative_tokens=args.num_speculative_tokens, prefill_mode=args.prefill_mode), loaded.memory(),
+        loaded.experts)
     seq = engine.generate([ids], params, images=[images])[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
     print(f"# {loaded.note}")
-    print(args.prompt + seq.text)
+    print(_shown_prompt(loaded, args) + seq.text)
+    if args.prompt_ids is not None:
+        print(f"# generated ids: {seq.output_ids}")
     print(f"# {seq.prompt_len} prompt tokens, {len(seq.output_ids)} generated ({seq.finish_reason}); "
           f"{m.spec_rounds} rounds, {m.acceptance_length() or 0:.2f} tokens per verification, "
           f"{m.spec_accepted}/{m.spec_drafted} drafts accepted; decode {(len(seq.output_ids) - 1) / decode:.1f} "
@@ -172,6 +181,13 @@ def serve(args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
         raise OpenflashError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
+    if not args.body_timeout > 0:
+        raise OpenflashError(f"--body-timeout must be > 0 seconds (got {args.body_timeout})")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("OPENFLASH_API_KEY")
+    if api_key is not None and not api_key.strip():
+        source = "--api-key" if args.api_key is not None else "OPENFLASH_API_KEY"
+        raise OpenflashError(f"{source} is empty: that would turn authentication off; give a key, or leave it unset "
+                             f"to serve without one")
     if min(args.max_images, args.max_image_bytes, args.max_image_pixels) < 1:
         raise OpenflashError("--max-images, --max-image-bytes and --max-image-pixels must be >= 1")
     local_images = Path(args.allowed_local_image_dir) if args.allowed_local_image_dir else None
@@ -217,8 +233,7 @@ def serve(args: Any) -> int:
         raise OpenflashError(f"--thinking needs the deepseek-v4.1 chat template; this model's is {fmt.name!r}")
     log.info("chat template: %s%s", fmt.name, " (thinking by default)" if args.thinking else "")
     config = ServerConfig(model_name=name, chat_format=fmt, thinking_default=args.thinking,
-                          max_request_bytes=args.max_request_bytes,
-                          api_key=args.api_key or os.environ.get("OPENFLASH_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout, api_key=api_key,
                           images=ImagePolicy(ImageLimits(args.max_image_bytes, args.max_image_pixels), args.max_images,
                                              local_images))
     app = build_app(engine, tokenizer, config)

@@ -43,13 +43,21 @@ from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFul
 from openflash.engine.runner import PREFILL_MODES, ChunkTask, EngramTier, ModelRunner
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
-from openflash.errors import OpenflashError, RequestError
+from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.memory.placement import EngramMemory
 from openflash.model.moe import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.prompt import PromptImage, check_spans
 
 log = logging.getLogger("openflash.engine")
+
+
+def failure_of(exc: BaseException) -> tuple[str, bool]:
+    """What a request that failed on `exc` is told, and whether the failure is a storage tier's (retry later;
+    its file paths stay in the server's log, not in the reply)."""
+    if isinstance(exc, EngramTableError):
+        return "an Engram table could not be read (the server log names it)", True
+    return f"{type(exc).__name__}: {exc}", False
 
 
 @dataclass(frozen=True)
@@ -242,6 +250,10 @@ class LLMEngine:
         """False once shutdown began."""
         return self._accepting
 
+    def problem(self) -> str | None:
+        """Why requests would fail now (an Engram tier that cannot be read), or None; for a server's /health."""
+        return self.memory.problem()
+
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._inbox or self._aborts) or self.scheduler.has_work
@@ -279,14 +291,14 @@ class LLMEngine:
                 if result.error is not None:  # a failure fails this request, not the server
                     exc = result.error
                     log.error("prefill of request %s failed", seq.request_id, exc_info=exc)
-                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                    outputs.append((seq, self._fail(seq, exc)))
                     continue
                 self.metrics.prompt_tokens += chunk.num_tokens
                 try:
                     self._cache_prefix(seq, chunk.start, chunk.end)
                 except Exception as exc:
                     log.exception("caching the prefix of request %s failed", seq.request_id)
-                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                    outputs.append((seq, self._fail(seq, exc)))
                     continue
                 if chunk.last:
                     self.scheduler.promote(seq)
@@ -305,7 +317,7 @@ class LLMEngine:
             except Exception as exc:
                 log.exception("batched decode failed")
                 for seq in decodes:
-                    outputs.append((seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}")))
+                    outputs.append((seq, self._fail(seq, exc)))
             else:
                 for seq, tokens in zip(ordered, committed):
                     for token in tokens:  # a finished sequence drops the rest
@@ -356,7 +368,7 @@ class LLMEngine:
             return True
         except Exception as exc:
             log.exception("admitting request %s failed", seq.request_id)
-            self._deliver(seq, self._finish(seq, ERROR, f"{type(exc).__name__}: {exc}"))
+            self._deliver(seq, self._fail(seq, exc))
             return False
 
     def _cache_prefix(self, seq: Sequence, start: int, end: int) -> None:
@@ -381,10 +393,15 @@ class LLMEngine:
             self._release(seq)
         return out
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
-        seq.finish(reason, error)
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+                unavailable: bool = False) -> RequestOutput:
+        seq.finish(reason, error, unavailable)
         self._release(seq)
         return seq.emit([])
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        """A request the engine failed on (the exception is in the log with its details)."""
+        return self._finish(seq, ERROR, *failure_of(exc))
 
     def _release(self, seq: Sequence) -> None:
         """Forget a finished sequence: its own cache now, its decode-batch rows at the end of the step."""
@@ -459,11 +476,11 @@ class LLMEngine:
             raise
         except Exception as exc:
             log.exception("engine step failed")
-            self._fail_in_flight(f"{type(exc).__name__}: {exc}")
+            self._fail_in_flight(*failure_of(exc))
 
-    def _fail_in_flight(self, error: str) -> None:
+    def _fail_in_flight(self, error: str, unavailable: bool = False) -> None:
         for seq in self.scheduler.all_sequences():
-            self._deliver(seq, self._finish(seq, ERROR, error))
+            self._deliver(seq, self._finish(seq, ERROR, error, unavailable))
         self._flush_removals()
 
     def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:

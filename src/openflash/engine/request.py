@@ -64,6 +64,7 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None
+    unavailable: bool = False  # the error is a storage tier's, not the request's: a server answers 503
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Sequence:
     key_ids: list[int] = field(default_factory=list)  # what the prefix cache hashes: prompt ids + image digests
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # the error is a storage tier's (RequestOutput.unavailable)
     # Text bookkeeping: `text` is the decoded output so far, cut at a stop string; `sent` chars have been emitted.
     text: str = ""
     sent: int = 0
@@ -112,9 +114,9 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         self.status = SequenceStatus.FINISHED
-        self.finish_reason, self.error = reason, error
+        self.finish_reason, self.error, self.unavailable = reason, error, unavailable
         self.finish_time = time.perf_counter()
 
     def append_token(self, token: int, decode: Callable[[list[int]], str], now: float) -> RequestOutput:
@@ -148,7 +150,7 @@ class Sequence:
         new = self.text[self.sent:final] if final > self.sent else ""
         self.sent = max(self.sent, final)
         return RequestOutput(self.request_id, token_ids, new, self.finished, self.finish_reason, self.prompt_len,
-                             len(self.output_ids), self.num_cached, self.error)
+                             len(self.output_ids), self.num_cached, self.error, self.unavailable)
 
 
 def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_context: int) -> None:

@@ -78,6 +78,9 @@ class EngramTier(Protocol):
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics."""
 
+    def problem(self) -> str | None:
+        """Why the tier cannot serve rows now, or None (EngramMemory.problem); called from the server's thread."""
+
 
 class ModelRunner:
     def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",

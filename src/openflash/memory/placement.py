@@ -409,6 +409,12 @@ class EngramMemory:
                                    f"{type(exc).__name__}: {exc}") from exc
 
     # ---- reporting and shutdown ----------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        """Why a table of this memory cannot serve rows now (naming its file), or None while every one can."""
+        found = [f"Engram layer {self.layer_ids[j]}: {p}" for j, t in self.tables.items()
+                 if (p := t.problem()) is not None]
+        return "; ".join(found) or None
+
     def stats(self) -> dict[str, Any]:
         """Waits and slack per Engram layer (seconds, keyed by layer id), speculative coverage, and
         each table's lookup counters (row-cache hit rates for disk)."""

@@ -23,6 +23,11 @@ class EngramTable(Protocol):
         """ids: int64 [...]; returns float32 [..., dim] holding the bf16-rounded dequantized rows (engram.md §5)."""
         ...
 
+    def problem(self) -> str | None:
+        """Why this table cannot serve rows now (a file gone or truncated under it), or None; cheap, and safe to
+        call from another thread (a server's /health)."""
+        ...
+
 
 @dataclass
 class TableStats:

@@ -11,6 +11,7 @@ on disk, keyed by the sha256 of the tokenizer's JSON and `num_ids`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import warnings
@@ -26,6 +27,12 @@ from openflash.errors import ConfigError, OpenflashError
 
 if TYPE_CHECKING:
     from openflash.config import FlashConfig
+
+# A checkpoint may carry its own map beside config.json, for models whose tokenizer is not DeepSeek's; the first of
+# these files found is read (TokenMap.from_file). The JSON form is a list of ints, or an object holding that list
+# under one of TOKEN_MAP_JSON_KEYS.
+TOKEN_MAP_FILES = ("engram_token_map.npy", "engram_token_map.json")
+TOKEN_MAP_JSON_KEYS = ("token_map", "compressed_ids", "ids")
 
 # Bump when the map procedure changes, so old cache entries are never read back.
 _CACHE_FORMAT = "openflash-engram-token-map-v1"
@@ -161,7 +168,9 @@ class TokenMap:
         if expected_compressed_vocab_size is not None and size != expected_compressed_vocab_size:
             raise ConfigError(
                 f"engram_compressed_vocab_size is {expected_compressed_vocab_size} in the config but the tokenizer's "
-                f"compressed token map over {len(ids)} ids has {size} distinct ids (wrong tokenizer or vocab_size?)"
+                f"compressed token map over {len(ids)} ids has {size} distinct ids: wrong tokenizer or vocab_size? "
+                f"A checkpoint whose tokenizer is not DeepSeek's carries its own map beside config.json as "
+                f"{' or '.join(TOKEN_MAP_FILES)} (the compressed id of each token id)"
             )
         if not 0 <= pad_token_id < len(ids):
             raise ConfigError(
@@ -180,13 +189,10 @@ class TokenMap:
 
     @classmethod
     def from_file(cls, path: str | Path, config: "FlashConfig") -> "TokenMap":
-        """A map a checkpoint carries itself (`engram_token_map.npy`: int [num_ids], the compressed id of each token
+        """A map a checkpoint carries itself (one of TOKEN_MAP_FILES: int [num_ids], the compressed id of each token
         id, num_ids <= vocab_size), for models whose tokenizer is not DeepSeek's; checked against the config."""
         path = Path(path)
-        try:
-            ids = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: not a readable .npy token map ({exc})") from None
+        ids = _read_json_map(path) if path.suffix == ".json" else _read_npy_map(path)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 0 < len(ids) <= config.vocab_size:
             raise ConfigError(f"{path}: a token map is a 1-D integer array of at most vocab_size={config.vocab_size} "
                               f"entries; found dtype {ids.dtype} shape {list(ids.shape)}")
@@ -210,3 +216,31 @@ class TokenMap:
         if key not in self._device_copies:
             self._device_copies[key] = torch.from_numpy(self.ids).to(device)
         return self._device_copies[key]
+
+
+def find_token_map_file(folder: Path) -> Path | None:
+    """The token map a checkpoint folder carries (the first of TOKEN_MAP_FILES present), or None."""
+    return next((folder / name for name in TOKEN_MAP_FILES if (folder / name).is_file()), None)
+
+
+def _read_npy_map(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable .npy token map ({exc})") from None
+
+
+def _read_json_map(path: Path) -> np.ndarray:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON token map ({exc})") from None
+    if isinstance(raw, dict):
+        key = next((k for k in TOKEN_MAP_JSON_KEYS if k in raw), None)
+        if key is None:
+            raise ConfigError(f"{path}: a JSON token map is a list of ints or an object with one of the keys "
+                              f"{list(TOKEN_MAP_JSON_KEYS)}; found keys {sorted(raw)[:10]}")
+        raw = raw[key]
+    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
+        raise ConfigError(f"{path}: a JSON token map is a list of integers (the compressed id of each token id)")
+    return np.asarray(raw, dtype=np.int64)

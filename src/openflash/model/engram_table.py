@@ -91,6 +91,9 @@ class DeviceTable(nn.Module):
         """Bytes one row occupies in this storage (264 for the released fp8 rows of 256 values)."""
         return self.dim + self.dim // SCALE_BLOCK if self.storage == "fp8" else 4 * self.dim
 
+    def problem(self) -> str | None:
+        return None if self.released is None else f"its rows were moved to the {self.released!r} tier"
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         if self.released is not None:
             raise EngramTableError(f"this Engram table's rows were moved to the {self.released!r} tier; look them "

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) and `openflash serve`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one JSON body; both
-report `usage`), GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+report `usage`), GET /v1/models (and /v1/models/{id}), GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
 
 The engine runs its own thread (engine/engine.py); a request handler submits one engine request per choice and
 waits on an asyncio queue that the engine thread feeds (loop.call_soon_threadsafe). A client that disconnects
@@ -10,18 +10,18 @@ at the next engine step. Shutdown stops intake, lets running requests finish for
 A chat choice that must call a tool after its reasoning (tool_choice required / named in thinking mode) runs as
 two engine requests: the first stops at `</think>`, the second continues from the forced start of the call.
 
-Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 malformed JSON, a prompt the
-model cannot take (empty, token ids outside the vocabulary) or a chat request its template cannot (malformed tools,
-tool turns, reasoning effort; serve/chat.py), 404 unknown model or route, 413 prompt longer than the
-context, 422 invalid field values (the message and `param` name the field; max_tokens beyond the context left),
-429 queue full, 503 shutting down.
+Errors are OpenAI-style bodies (serve/errors.py): 400 malformed JSON or JSON nested too deeply, a prompt the model
+cannot take (empty, token ids outside the vocabulary) or a chat request its template cannot (malformed tools, tool
+turns, reasoning effort; serve/chat.py), 404 unknown model or route, 408 a body that stalls, 413 a prompt longer
+than the context (refused before tokenizing where the tokenizer allows a bound), 422 invalid field values (the
+message and `param` name the field; max_tokens beyond the context left), 429 queue full, 503 shutting down or an
+Engram tier that cannot be read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -42,30 +42,18 @@ from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError, RequestError
 from openflash.serve import metrics as prom
 from openflash.serve.chat import ChatFormat, ChatReply, CompletionParser, chat_options, conversation
-from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip, safe_text
+from openflash.serve.errors import APIError, engine_failure, field_error, http_error, validation_error
+from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip
 from openflash.serve.images import ImagePolicy, image_bytes
-from openflash.serve.protocol import (LONE_SURROGATE, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
-                                      DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
+                                      DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                       PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+from openflash.tokenizer import max_chars_per_token
 from openflash.vision.preprocess import PreparedImage, prepare_image
 from openflash.vision.prompt import PromptImage, assemble
 
 log = logging.getLogger("openflash.serve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=safe_text(self.message), type=self.type,
-                                             param=None if self.param is None else safe_text(self.param, 200),
-                                             code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
 
 
 @dataclass
@@ -78,6 +66,7 @@ class ServerConfig:
     disconnect_poll: float = 0.25  # seconds between client-disconnect checks of non-streaming requests
     max_request_bytes: int = 32 << 20  # larger bodies get a 413 before they are read (images come inline)
     api_key: str | None = None  # when set, /v1, /tokenize and /detokenize need "Authorization: Bearer <key>"
+    body_timeout: float = 30.0  # seconds a request body may stall between its bytes before a 408
     images: ImagePolicy = field(default_factory=ImagePolicy)  # image content parts: sources and limits
 
 
@@ -106,6 +95,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    unavailable: bool = False  # the error is a storage tier's (503)
     done: bool = False
     # chat: the parsed reply, and what the latest output added to it (a stream delta)
     parser: CompletionParser | None = None
@@ -161,7 +151,7 @@ class _Job:
             if forced is not None:
                 pieces += c.parser.feed(forced) if c.parser is not None else []
             else:
-                c.done, c.finish_reason, c.error = True, out.finish_reason, out.error
+                c.done, c.finish_reason, c.error, c.unavailable = True, out.finish_reason, out.error, out.unavailable
                 pieces += c.parser.finish() if c.parser is not None else []
         if c.reply is not None:
             c.delta = c.reply.add(pieces)
@@ -213,7 +203,7 @@ class _Job:
     def failure(self) -> APIError | None:
         for c in self.choices:
             if c.finish_reason == ERROR:
-                return APIError(500, f"generation failed: {c.error}", "server_error", code="engine_error")
+                return engine_failure(c.error, c.unavailable)
         return None
 
 
@@ -225,6 +215,10 @@ class OpenflashServer:
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.max_context = engine.config.max_context
+        self.max_token_chars = max_chars_per_token(tokenizer)
+        if self.max_token_chars is None:
+            log.warning("this tokenizer's normalizer or pre-tokenizer drops characters: prompts are tokenized in "
+                        "full before their length is checked")
 
     # ---- request -> engine ----------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -247,7 +241,7 @@ class OpenflashServer:
         try:
             return params.validate()
         except RequestError as exc:
-            raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
+            raise field_error(422, exc, body) from None
 
     def check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.cfg.vocab_size
@@ -262,26 +256,36 @@ class OpenflashServer:
             raise APIError(400, f"prompt token id {clip(bad)} is outside the model's vocabulary (0..{vocab - 1})",
                            param=param, code="invalid_token")
 
-    def submit(self, job: _Job, ids: list[int], params: SamplingParams, ignore_eos: bool, param: str,
-               prefix: str = "", **chat: Any) -> None:
+    def submit(self, job: _Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
+               **chat: Any) -> None:
         try:
-            job.submit(ids, params, ignore_eos, prefix, **chat)
+            job.submit(ids, params, body.ignore_eos, prefix, **chat)
         except PromptTooLongError as exc:
             raise APIError(413, str(exc), param=param, code="context_length_exceeded") from None
         except MaxTokensError as exc:
-            raise APIError(422, str(exc), param="max_tokens", code="invalid_value") from None
+            raise field_error(422, exc, body) from None
         except QueueFullError as exc:
             raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
         except EngineStoppedError as exc:
             raise APIError(503, str(exc), "server_error", code="shutting_down") from None
         except RequestError as exc:  # a sampling field (422), or the prompt itself (400)
             if exc.param is not None:
-                raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
+                raise field_error(422, exc, body) from None
             raise APIError(400, str(exc), param=param) from None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Called in a worker thread (see `off_loop`); encode_batch releases the GIL while the
-        Rust tokenizer runs, so the event loop keeps serving other requests during a long prompt."""
+    def check_length(self, text: str, param: str) -> None:
+        """413 for a text too long for the context, before it is tokenized: it has at least len / max_token_chars
+        tokens (tokenizer.max_chars_per_token), so a 30 MB prompt costs no tokenizer time or memory."""
+        if self.max_token_chars is not None and len(text) // self.max_token_chars >= self.max_context:
+            raise APIError(413, f"the prompt has {len(text)} characters, so at least {len(text) // self.max_token_chars}"
+                                f" tokens, but the context holds {self.max_context} (prompt plus at least one generated "
+                                f"token)", param=param, code="context_length_exceeded")
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of `text` (413 first if it cannot fit the context). Called in a worker thread (see `off_loop`);
+        encode_batch releases the GIL while the Rust tokenizer runs, so the event loop keeps serving other requests
+        during a long prompt."""
+        self.check_length(text, param)
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
@@ -299,6 +303,7 @@ class OpenflashServer:
             fmt.check(options)
             turns = conversation(messages)
             text = fmt.render(turns, options)
+            self.check_length(text, "messages")  # before any image is decoded
             images = self.prepare_images([image for turn in turns for image in turn.images])
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param or "messages", code="invalid_value") from None
@@ -371,9 +376,7 @@ class OpenflashServer:
                 index, out = await job.queue.get()
                 choice = job.apply(index, out)
                 if choice.finish_reason == ERROR:
-                    err = ErrorInfo(message=f"generation failed: {choice.error}", type="server_error",
-                                    code="engine_error")
-                    yield _sse(ErrorResponse(error=err).model_dump_json())
+                    yield _sse(engine_failure(choice.error, choice.unavailable).body().model_dump_json())
                     continue
                 chunk = chunk_of(choice, out)
                 if chunk is not None:
@@ -398,7 +401,7 @@ class OpenflashServer:
                 prefix = self.tokenizer.decode(ids) if body.echo else ""
                 for _ in range(body.n):
                     params = self.sampling(body, body.max_tokens or 16, len(job.choices))
-                    self.submit(job, ids, params, body.ignore_eos, "prompt", prefix)
+                    self.submit(job, body, ids, params, "prompt", prefix)
         except APIError:
             job.abort_unfinished()
             raise
@@ -438,7 +441,7 @@ class OpenflashServer:
                 params = self.sampling(body, max_tokens, len(job.choices))
                 parser, reply = fmt.parser(options), ChatReply()
                 reply.add(parser.feed(prompt.forced))  # the forced text opens a call: nothing final yet
-                self.submit(job, ids, params, body.ignore_eos, "messages", parser=parser, reply=reply,
+                self.submit(job, body, ids, params, "messages", parser=parser, reply=reply,
                             continuation=prompt.deferred, images=prompt.images)
         except APIError:
             job.abort_unfinished()
@@ -502,34 +505,6 @@ class OpenflashServer:
 # The FastAPI application
 
 
-def _validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
-    errors = exc.errors()
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
-                            code="invalid_json")
-    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    if e.get("type") == LONE_SURROGATE:
-        return APIError(400, str(e.get("msg")), param=e.get("ctx", {}).get("param") or None, code="invalid_text")
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    # Union members add their type name to the location (e.g. prompt.str); keep the field path.
-    loc = [p for p in loc if p not in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "function-after")
-           and not p.startswith(("list[", "function-"))]
-    param = ".".join(loc) or None
-    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-    if not loc and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
-        # No body, a body that is not JSON (sent without a JSON content type), or JSON that is not an object.
-        try:
-            parsed = json.loads(raw)
-        except ValueError as bad:
-            return APIError(400, f"malformed JSON body: {bad}", code="invalid_json")
-        if isinstance(parsed, dict):  # valid JSON that FastAPI did not parse: the content type says otherwise
-            return APIError(400, "the request body is JSON but its Content-Type is not application/json",
-                            code="invalid_content_type")
-        return APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return APIError(422, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
-
-
 def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, manage_engine: bool = True) -> FastAPI:
     """The app; with manage_engine it starts the engine thread at startup and shuts the engine down at exit.
 
@@ -544,7 +519,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
         if manage_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, config.drain_timeout)
 
-    app = FastAPI(title="openflash", lifespan=lifespan)
+    # With an API key the schema and its pages are not served at all (a browser page cannot send the key).
+    docs = {} if not config.api_key else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="openflash", lifespan=lifespan, **docs)
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -553,18 +530,17 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc, await request.body()).response()
+        return validation_error(exc, await request.body()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return http_error(exc.status_code, str(exc.detail)).response()
 
     # Added last = outermost. ErrorGuard sits inside the others so that their refusals never reach it.
     app.add_middleware(ErrorGuard)
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, idle_timeout=config.body_timeout)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -578,10 +554,19 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=config.model_name, max_model_len=server.max_context)])
 
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> ModelCard:
+        server.check_model(name)
+        return ModelCard(id=config.model_name, max_model_len=server.max_context)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if (problem := engine.problem()) is not None:  # the details (file paths) go to the log only
+            log.error("health: degraded: %s", problem)
+            return JSONResponse({"status": "degraded", "reason": "an Engram table cannot be read"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -598,6 +583,3 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     return app
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# `openflash serve`

@@ -1,4 +1,5 @@
-"""ASGI guards in front of the routes: the request body limit, the API key, and a last-resort error handler.
+"""ASGI guards in front of the routes: the request body limit (size and stalls), the API key, and a last-resort
+error handler.
 
 They are plain ASGI wrappers rather than FastAPI dependencies so that they act before a body is read or parsed:
 a 20 MiB upload is refused by its Content-Length (or once its streamed bytes pass the limit) without being held in
@@ -10,6 +11,7 @@ which makes uvicorn drop the kept-alive connection; here the 500 is the end of i
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -75,12 +77,21 @@ class BodyTooLarge(HTTPException):
                               f"(--max-request-bytes)")
 
 
+class BodyStalled(HTTPException):
+    """Raised from `receive` when a body's next bytes do not come in time (a client that stalls mid-upload would
+    otherwise hold its connection and handler forever); an HTTPException for the same reason as BodyTooLarge."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body stalled: no bytes for {seconds:g} s (--body-timeout)")
+
+
 class BodyLimit:
-    """413 for a request body over `max_bytes`: at once from Content-Length, or when the streamed bytes pass it."""
+    """413 for a request body over `max_bytes`: at once from Content-Length, or when the streamed bytes pass it;
+    408 when the body's next bytes take more than `idle_timeout` seconds (only while the body is incomplete: the
+    wait for a disconnect during a long stream is not timed)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
+    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float = 30.0) -> None:
+        self.app, self.max_bytes, self.idle_timeout = app, max_bytes, idle_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,23 +108,31 @@ class BodyLimit:
                 body = error_body(f"the request body is {length} bytes, over this server's limit of {self.max_bytes} "
                                   f"bytes (--max-request-bytes)", "invalid_request_error", code="request_too_large")
                 return await send_error(send, 413, body)
-        seen = 0
+        seen, complete = 0, False
         tracked = _StartTracker(send)
 
         async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except asyncio.TimeoutError:
+                raise BodyStalled(self.idle_timeout) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
             return message
 
         try:
             await self.app(scope, counted_receive, tracked)
-        except BodyTooLarge as exc:
+        except (BodyTooLarge, BodyStalled) as exc:
             if not tracked.started:
-                await send_error(send, 413, error_body(exc.detail, "invalid_request_error", code="request_too_large"))
+                code = "request_too_large" if exc.status_code == 413 else "request_timeout"
+                await send_error(send, exc.status_code, error_body(exc.detail, "invalid_request_error", code=code),
+                                 [(b"connection", b"close")] if exc.status_code == 408 else [])
 
 
 class ApiKey:
@@ -147,7 +166,7 @@ class ErrorGuard:
         tracked = _StartTracker(send)
         try:
             await self.app(scope, receive, tracked)
-        except BodyTooLarge:
+        except (BodyTooLarge, BodyStalled):
             raise  # BodyLimit, outside this guard, answers it
         except Exception as exc:
             log.exception("unhandled error in %s", scope.get("path"))

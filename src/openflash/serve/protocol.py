@@ -16,47 +16,48 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from pydantic_core import PydanticCustomError
 
 from openflash.chat.conversation import ImagePart
+from openflash.chat.json_limits import MAX_JSON_DEPTH, short_path, walk_json
 
 StopType = Union[str, list[str], None]
 LONE_SURROGATE = "invalid_text"  # the error type the server turns into a 400 naming the field
 
 
-def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, int] | None:
-    """(field path, character index, code point) of the first lone UTF-16 surrogate in a decoded JSON value.
+TOO_DEEP = "too_deep"  # the error type the server turns into a 400 naming the field
 
-    JSON allows escapes such as "\\ud800" that decode to a str no UTF-8 text can hold; the tokenizer (and any
-    UTF-8 encoder) fails on them, so requests carrying one are refused up front."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")  # in C: fast even for a prompt of megabytes
-        except UnicodeEncodeError as bad:
-            return path, bad.start, ord(value[bad.start])
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = find_lone_surrogate(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+
+def json_problem(value: Any, limit: int = MAX_JSON_DEPTH) -> tuple[str, str, dict[str, Any]] | None:
+    """The first thing in a decoded JSON document no request may carry: (error type, message template, context).
+
+    Nesting deeper than `limit` (the parser, the renderer and every walk of it would recurse that deep), and lone
+    UTF-16 surrogates: JSON allows escapes such as "\\ud800" that decode to a str no UTF-8 text can hold; the
+    tokenizer (and any UTF-8 encoder) fails on them."""
+    for where, depth, item in walk_json(value):
+        if depth > limit:
+            return TOO_DEEP, "{param}: JSON nested more than {limit} levels deep", \
+                {"param": short_path(where), "limit": limit}
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")  # in C: fast even for a prompt of megabytes
+            except UnicodeEncodeError as bad:
+                return LONE_SURROGATE, ("{param}: character {index} is a lone UTF-16 surrogate (U+{code}), which is "
+                                        "not valid text"), \
+                    {"param": where, "index": bad.start, "code": f"{ord(item[bad.start]):04X}"}
     return None
 
 
 class _TextChecked(BaseModel):
-    """Refuses any string holding a lone surrogate, naming the field (see find_lone_surrogate)."""
+    """Refuses a body nested too deeply or holding a lone surrogate, naming the field (see json_problem); numbers
+    and booleans are strict (`"2"` and `true` are no integers)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        found = find_lone_surrogate(data)
-        if found is not None:
-            where, index, code = found
-            raise PydanticCustomError(LONE_SURROGATE, "{param}: character {index} is a lone UTF-16 surrogate "
-                                      "(U+{code}), which is not valid text",
-                                      {"param": where, "index": index, "code": f"{code:04X}"})
+    def _valid_json_text(cls, data: Any) -> Any:
+        problem = json_problem(data)
+        if problem is not None:
+            kind, template, context = problem
+            raise PydanticCustomError(kind, template, context)
         return data
 
 
@@ -66,8 +67,6 @@ class StreamOptions(BaseModel):
 
 
 class _Request(_TextChecked):
-    model_config = ConfigDict(extra="ignore")
-
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -113,6 +112,10 @@ class _Request(_TextChecked):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def max_tokens_field(self) -> str:
+        """The field the completion's length came from, for errors about it."""
+        return "max_tokens"
 
 
 class CompletionRequest(_Request):
@@ -269,9 +272,11 @@ class ChatCompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class TokenizeRequest(_TextChecked):
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -284,7 +289,6 @@ class TokenizeRequest(_TextChecked):
 
 
 class DetokenizeRequest(_TextChecked):
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
 

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openflash.checkpoint import TOKEN_MAP_FILE, build_model, checkpoint_folder, load_checkpoint, save_checkpoint
+from openflash.checkpoint import build_model, checkpoint_folder, load_checkpoint, save_checkpoint
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
+from openflash.memory.tokenmap import find_token_map_file
 from openflash.model import dspark
 from openflash.model.cache import ModelCache, WindowCache
 from openflash.model.context import StepContext
@@ -180,8 +181,9 @@ def train_drafter(cfg: DraftTrainConfig) -> dict:
     summary = {"config": asdict(cfg), "steps": len(history), "first": history[0] if history else None,
                "last": history[-1] if history else None}
     (out_dir / "drafter_train.json").write_text(json.dumps({**summary, "history": history}, indent=1))
-    if (source / TOKEN_MAP_FILE).is_file():
-        shutil.copy(source / TOKEN_MAP_FILE, out_dir / TOKEN_MAP_FILE)
+    map_file = find_token_map_file(source)
+    if map_file is not None:
+        shutil.copy(map_file, out_dir / map_file.name)
     tokenizer = source / "tokenizer.json"
     save_checkpoint(model, out_dir, dtype="fp32", tokenizer_json=tokenizer if tokenizer.is_file() else None)
     return summary

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.manifest import write_manifest
+from openflash.manifest import verify_manifest, write_manifest
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.compiled import check_toolchain
@@ -90,6 +90,7 @@ class TrainConfig:
     steps_from_budget: bool = False  # time-budgeted: after a few timed steps, steps = what fits in max_minutes
     adaptive_threads: bool = False  # re-pick the torch thread count from step times (shared machines; see ThreadTuner)
     resume: bool = False
+    verify: bool = True  # a resumed run first checks its checkpoint against the checksums.sha256 it wrote
     seed: int = 0
     progress: bool = True
     compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
@@ -168,6 +169,11 @@ class Trainer:
         self.resume_from = self.run.resume_point(cfg.resume)
         if self.resume_from is not None:
             self.run.check_resume_args(asdict(cfg), RESUME_FIXED)
+            if cfg.verify:  # this run wrote the manifest itself: a damaged checkpoint must not train on, blessed anew
+                try:
+                    verify_manifest(self.resume_from)
+                except OpenflashError as exc:
+                    raise OpenflashError(f"--resume: {exc} (--no-verify resumes anyway)") from None
             self.model_cfg = load_config(self.resume_from)
         else:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)

@@ -124,8 +124,36 @@ class PreparedImage:
         return self.grid.num_tokens
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), where: str = "image") -> Image.Image:
-    """RGB pixels of encoded image bytes (any format Pillow reads: PNG, JPEG, WebP, GIF, BMP, ...)."""
+def usable_aspect(cfg: VisionConfig, wide: bool) -> int:
+    """The most elongated image (long side / short side) the preprocessing can use: the plan's most extreme grid
+    is one row of max_image_tokens - 3 cells (wide) or one column of (max_image_tokens - 2) // 2 (tall; each row
+    also holds a newline), and a cell is downsample_ratio patches; a longer image would keep less than one ViT patch
+    of its short side after resizing (padded into a strip, or with max_wh_ratio set, squeezed into one)."""
+    cells = cfg.max_image_tokens - 3 if wide else (cfg.max_image_tokens - 2) // 2
+    return cells * cfg.downsample_ratio
+
+
+def check_shape(width: int, height: int, limits: ImageLimits, cfg: VisionConfig | None, where: str) -> None:
+    """An image's size from its header against the limits, and (given the vision config) its aspect ratio."""
+    if width * height > limits.max_pixels:
+        raise ImageError(f"{where}: the image is {width}x{height} = {width * height} pixels, over the limit of "
+                         f"{limits.max_pixels}", where)
+    if width < 1 or height < 1:
+        raise ImageError(f"{where}: the image has no pixels ({width}x{height})", where)
+    if cfg is not None:
+        wide = width >= height
+        aspect, limit = max(width, height) / min(width, height), usable_aspect(cfg, wide)
+        if aspect > limit:
+            raise ImageError(f"{where}: the image is {width}x{height}, {aspect:.0f}:1 {'wide' if wide else 'tall'}; "
+                             f"this model's preprocessing keeps less than one {cfg.patch_size}-pixel patch of the "
+                             f"short side beyond {limit}:1 (vision_config max_image_tokens {cfg.max_image_tokens})",
+                             where)
+
+
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), where: str = "image",
+                 cfg: VisionConfig | None = None) -> Image.Image:
+    """RGB pixels of encoded image bytes (any format Pillow reads: PNG, JPEG, WebP, GIF, BMP, ...); the size is
+    checked from the header before any pixel is decoded (check_shape)."""
     if len(data) > limits.max_bytes:
         raise ImageError(f"{where}: the image is {len(data)} bytes, over the limit of {limits.max_bytes}", where)
     if not data:
@@ -134,12 +162,7 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), where: str = 
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as source:
-                w, h = source.size
-                if w * h > limits.max_pixels:
-                    raise ImageError(f"{where}: the image is {w}x{h} = {w * h} pixels, over the limit of "
-                                     f"{limits.max_pixels}", where)
-                if w < 1 or h < 1:
-                    raise ImageError(f"{where}: the image has no pixels ({w}x{h})", where)
+                check_shape(*source.size, limits, cfg, where)
                 return _to_rgb(source)
     except ImageError:
         raise
@@ -158,13 +181,11 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(source: ImageSource, limits: ImageLimits = ImageLimits(), where: str = "image") -> Image.Image:
-    """RGB pixels of a PIL image, a file path, or encoded bytes."""
+def load_image(source: ImageSource, limits: ImageLimits = ImageLimits(), where: str = "image",
+               cfg: VisionConfig | None = None) -> Image.Image:
+    """RGB pixels of a PIL image, a file path, or encoded bytes (sizes checked first: check_shape)."""
     if isinstance(source, Image.Image):
-        w, h = source.size
-        if w * h > limits.max_pixels:
-            raise ImageError(f"{where}: the image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}",
-                             where)
+        check_shape(*source.size, limits, cfg, where)
         return _to_rgb(source.copy())
     if isinstance(source, (str, Path)):
         path = Path(source)
@@ -172,16 +193,16 @@ def load_image(source: ImageSource, limits: ImageLimits = ImageLimits(), where: 
             data = path.read_bytes()
         except OSError as exc:
             raise ImageError(f"{where}: cannot read {path}: {exc.strerror or exc}", where) from None
-        return decode_image(data, limits, f"{where} ({path})")
+        return decode_image(data, limits, f"{where} ({path})", cfg)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_image(bytes(source), limits, where)
+        return decode_image(bytes(source), limits, where, cfg)
     raise ImageError(f"{where}: expected a PIL image, a path or bytes, got {type(source).__name__}", where)
 
 
 def prepare_image(source: ImageSource, cfg: VisionConfig, limits: ImageLimits = ImageLimits(),
                   where: str = "image") -> PreparedImage:
     """Decode (with limits), resize and pad, normalise and cut into patches (spec §A.2)."""
-    image = load_image(source, limits, where)
+    image = load_image(source, limits, where, cfg)
     grid = plan_grid(image.width, image.height, cfg)
     if cfg.max_wh_ratio is not None and image.width >= cfg.max_wh_ratio * image.height:
         image = image.resize((grid.width, grid.height))
@@ -198,4 +219,4 @@ def prepare_image(source: ImageSource, cfg: VisionConfig, limits: ImageLimits = 
 
 
 __all__ = ["ImageError", "ImageLimits", "ImageGrid", "PreparedImage", "plan_grid", "span_types", "decode_image",
-           "load_image", "prepare_image", "num_image_tokens"]
+           "load_image", "prepare_image", "num_image_tokens", "usable_aspect", "check_shape"]

@@ -178,6 +178,18 @@ class DiskTable:
         except (OSError, AttributeError, TypeError):
             return False
 
+    def problem(self) -> str | None:
+        fd = self._fd
+        try:
+            size = os.fstat(fd).st_size if fd is not None else None
+        except OSError as exc:
+            return f"{self.path}: {exc.strerror or exc}"
+        if size is None:
+            return f"{self.path}: the table is closed"
+        if size != self.header.file_bytes:
+            return f"{self.path}: the file has {size} bytes, {self.header.file_bytes} expected (truncated or replaced)"
+        return None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

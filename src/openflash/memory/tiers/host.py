@@ -34,6 +34,9 @@ class HostTable:
     def row_bytes(self) -> int:
         return self.dim + self.dim // SCALE_BLOCK
 
+    def problem(self) -> str | None:
+        return None  # rows in memory
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu()
         check_ids(flat, self.num_rows, "Engram HostTable")

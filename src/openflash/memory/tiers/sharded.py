@@ -72,6 +72,9 @@ class ShardedTable:
     def row_bytes(self) -> int:
         return self.dim + self.dim // SCALE_BLOCK
 
+    def problem(self) -> str | None:
+        return None  # this rank's block is in memory; a lost peer fails the collective itself
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(self.device)
         if flat.device.type == "cpu":

@@ -1,0 +1,87 @@
+"""The server's error responses: OpenAI-style bodies {"error": {"message", "type", "param", "code"}}, and the
+translation of FastAPI's and the engine's refusals into them, each naming the field as the request named it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from openflash.errors import RequestError
+from openflash.serve.guards import safe_text
+from openflash.serve.protocol import LONE_SURROGATE, TOO_DEEP, ErrorInfo, ErrorResponse
+
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for any exception of its JSON parser
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=safe_text(self.message), type=self.type,
+                                             param=None if self.param is None else safe_text(self.param, 200),
+                                             code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def engine_failure(error: str | None, unavailable: bool) -> APIError:
+    """A request the engine failed: 503 when a storage tier could not be read (the engine's message names no
+    file), 500 otherwise."""
+    if unavailable:
+        return APIError(503, f"temporarily unavailable: {error}", "server_error", code="engram_unavailable")
+    return APIError(500, f"generation failed: {error}", "server_error", code="engine_error")
+
+
+def field_error(status: int, exc: RequestError, body: Any) -> APIError:
+    """A field's error, named as the request named it: a chat request's length may come as max_completion_tokens."""
+    param, message = exc.param, str(exc)
+    field_name = body.max_tokens_field()
+    if param == "max_tokens" and field_name != param:
+        param, message = field_name, message.replace("max_tokens", field_name, 1)
+    return APIError(status, message, param=param, code="invalid_value")
+
+
+def http_error(status: int, detail: str) -> APIError:
+    """An HTTPException from Starlette or FastAPI (unknown route, the body guards, an unparsable body)."""
+    code = {404: "not_found", 408: "request_timeout", 413: "request_too_large"}.get(status)
+    if status == 400 and detail == FASTAPI_PARSE_ERROR:
+        detail = ("malformed JSON body: it could not be parsed (broken, or nested deeper than the parser's limit of "
+                  "about 1,000 levels)")
+        code = "invalid_json"
+    return APIError(status, detail, code=code)
+
+
+def validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
+    errors = exc.errors()
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                            code="invalid_json")
+    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if e.get("type") in (LONE_SURROGATE, TOO_DEEP):
+        code = "invalid_text" if e.get("type") == LONE_SURROGATE else "too_deep"
+        return APIError(400, str(e.get("msg")), param=e.get("ctx", {}).get("param") or None, code=code)
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    # Union members add their type name to the location (e.g. prompt.str); keep the field path.
+    loc = [p for p in loc if p not in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "function-after")
+           and not p.startswith(("list[", "function-"))]
+    param = ".".join(loc) or None
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not loc and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        # No body, a body that is not JSON (sent without a JSON content type), or JSON that is not an object.
+        try:
+            parsed = json.loads(raw)
+        except ValueError as bad:
+            return APIError(400, f"malformed JSON body: {bad}", code="invalid_json")
+        if isinstance(parsed, dict):  # valid JSON that FastAPI did not parse: the content type says otherwise
+            return APIError(400, "the request body is JSON but its Content-Type is not application/json",
+                            code="invalid_content_type")
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return APIError(422, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
