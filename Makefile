@@ -17,8 +17,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/openflash demo
 
+# One pytest worker per core (at most 8), a test file per worker at a time: module fixtures are built once.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 8 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

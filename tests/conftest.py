@@ -1,7 +1,8 @@
-"""Fixtures shared by the engine and server tests."""
+"""Fixtures shared by the engine and server tests, and the intra-op thread count of parallel test workers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -9,6 +10,14 @@ import pytest
 import torch
 
 from openflash.checkpoint import open_model
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test`: a worker per core), each worker gets its share of the cores for torch's
+    intra-op threads: OpenMP threads of several processes spinning on the same cores slow every one of them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="module")

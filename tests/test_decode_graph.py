@@ -1,9 +1,10 @@
 """A decode step as one compiled graph (model/decode_graph.py) against the eager path.
 
 The shape-static forms (masked cache writes, compressed stores read at full capacity, experts gathered per routed
-pair) are checked eagerly first, cheaply and tightly; then the compiled graph, across a capacity bucket, with no
-graph break. Plain numerics for the tight comparisons: a QDQ rounding flip on a last-bit difference would hide a
-real one (fp32 numerics get their own, looser check). Never bitwise: summation order may differ.
+pair) are checked eagerly here, cheaply and tightly; the compiled graph itself (no graph break, no recompile across
+a capacity bucket) is test_compiled.py's, which shares one compiled model between its tests. Plain numerics for the
+tight comparisons: a QDQ rounding flip on a last-bit difference would hide a real one. Never bitwise: summation
+order may differ.
 """
 
 from __future__ import annotations
@@ -109,20 +110,22 @@ def test_stored_weights_run_decode_on_the_per_kernel_path():
     assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
 
 
-@needs_cxx
-def test_the_decode_graph_matches_eager_with_no_graph_break(tiny, monkeypatch):
+def test_the_graph_captures_whole_and_grows_without_recompiling(tiny, monkeypatch):
+    """The dense caches' decode step (`generate --compile`) as dynamo captures it, the graph run by PyTorch's own
+    kernels (inductor's code for the decode graph is test_compiled.py's, on the engine's paged caches): no graph
+    break, one graph across the capacity buckets of 16 and 32 tokens, the eager step's logits."""
     model, memory = tiny
     monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
+    monkeypatch.setattr(decode_graph, "BACKEND", "eager")
+    model.set_numerics(PLAIN)
     ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(4))
-    try:
-        model.set_numerics(PLAIN)
-        want = _decode_run(model, memory, ids, 12)  # positions 10..21: capacity buckets of 16 and 32 tokens
-        model.set_numerics(PLAIN.with_compile())
-        torch._dynamo.utils.counters.clear()
-        got = _decode_run(model, memory, ids, 12)
-        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-        assert model._decode_graph().steps == 12
-        assert model._decode_graph().graphs == 1  # the capacity grew from 16 to 32 tokens without a recompile
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    finally:
-        model.set_numerics(PLAIN)
+    want = _decode_run(model, memory, ids, 12)  # positions 10..21: both buckets
+    cache, logits = _prefill(model, memory, ids)
+    graph, got = DecodeGraph(model), [logits]
+    torch._dynamo.utils.counters.clear()
+    for _ in range(12):
+        token = got[-1].argmax(-1).view(-1, 1)
+        got.append(graph(token, cache, memory.prepare(token, cache)))
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert graph.steps == 12 and graph.graphs == 1
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)

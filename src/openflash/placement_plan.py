@@ -38,7 +38,7 @@ import torch
 from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.plan import build_plan, format_bytes, stored_bytes
+from openflash.plan import format_bytes, kv_bytes, stored_bytes
 
 GiB = 1 << 30
 WORK_RESERVE = 2 * GiB  # activations, runtime, allocator slack
@@ -151,8 +151,8 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
     if memory < 1 or (accelerator_memory is not None and accelerator_memory < 1) or context < 1 or batch < 1:
         raise OpenflashError("--memory, --accelerator-memory, --context and --batch must be positive")
     parts, facts = stored_parts(name_or_path)
-    base = build_plan(name_or_path, context=context)
-    parts["kv"] = batch * base.kv_bytes_at_context
+    kv_per_token, window = kv_bytes(facts["cfg"])
+    parts["kv"] = batch * (kv_per_token * context + window)
     bw = dict(bandwidth or DEFAULT_BANDWIDTH)
     compute = "accelerator" if accelerator_memory else "host"
     room = {"accelerator": accelerator_memory or 0, "host": memory}

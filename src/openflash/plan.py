@@ -81,6 +81,15 @@ def stored_bytes(module: nn.Module) -> int:
     return total
 
 
+def kv_bytes(cfg: FlashConfig) -> tuple[int, int]:
+    """(global KV cache bytes per token, window ring bytes per sequence): a config's cache, no model needed."""
+    sources = cfg.topology.kv_sources
+    main = sum(formats.cache_entry_bytes("main_kv", cfg.head_dim) / cfg.compress_ratios[s] for s in sources)
+    index = sum(formats.cache_entry_bytes("index_k", cfg.index_head_dim) / cfg.compress_ratios[s] for s in sources)
+    window = len(cfg.compress_ratios) * cfg.sliding_window * formats.cache_entry_bytes("window", cfg.head_dim)
+    return int(round(main + index)), window
+
+
 def build_plan(name_or_path: str | FlashConfig, context: int = 1_048_576, engram_placement: str = "host") -> Plan:
     """The plan of a preset, config.json or checkpoint folder, or of a config built in code (FlashConfig)."""
     cfg = name_or_path if isinstance(name_or_path, FlashConfig) else load_config(name_or_path)
@@ -110,11 +119,7 @@ def build_plan(name_or_path: str | FlashConfig, context: int = 1_048_576, engram
     by_location = {"accelerator": dense_bytes}
     by_location[where[engram_placement]] = by_location.get(where[engram_placement], 0) + table_bytes
 
-    main = sum(formats.cache_entry_bytes("main_kv", cfg.head_dim) / cfg.compress_ratios[s] for s in topo.kv_sources)
-    index = sum(formats.cache_entry_bytes("index_k", cfg.index_head_dim) / cfg.compress_ratios[s]
-                for s in topo.kv_sources)
-    kv_per_token = int(round(main + index))
-    window = len(cfg.compress_ratios) * cfg.sliding_window * formats.cache_entry_bytes("window", cfg.head_dim)
+    kv_per_token, window = kv_bytes(cfg)
     return Plan(
         config="(in code)" if isinstance(name_or_path, FlashConfig) else str(name_or_path),
         params_total=backbone + tables + dspark + vision, params_backbone=backbone,

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("openflash.model")
 
 CAPACITY_TOKENS = 256  # the smallest compressed capacity, in tokens, a graph is built for
+# torch.compile's backend. Tests of what dynamo decides (no graph break, no recompile as caches grow) use "eager":
+# the captured graph run by PyTorch's own kernels, seconds instead of minutes of C++ code generation.
+BACKEND = "inductor"
 
 
 @dataclass
@@ -80,7 +83,7 @@ class DecodeGraph:
         # the cache and the inputs (shapes, dtypes) stay.
         own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")
         self._step: Callable[..., torch.Tensor] = torch.compile(
-            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None,
+            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None, backend=BACKEND,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized]
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -153,4 +156,4 @@ def _decode(model: "Transformer", input_ids: torch.Tensor, cache: ModelCache,
     return model.static_decode(input_ids, cache, rows)
 
 
-__all__ = ["DecodeGraph", "FetchedRows", "CAPACITY_TOKENS"]
+__all__ = ["DecodeGraph", "FetchedRows", "CAPACITY_TOKENS", "BACKEND"]
