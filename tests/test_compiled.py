@@ -5,8 +5,8 @@ generated C++ built by gcc), so inductor builds one model's kernels once (`compi
 that exercises them all: an engine batch whose prefill kernels see several shapes and whose decode graph crosses
 capacity buckets, checked for what compilation must preserve: the eager greedy tokens, no graph break, no recompile
 while the caches grow. The dense caches' decode graph is checked for the same on dynamo's capture run by eager
-kernels (test_decode_graph.py). Plain numerics: a QDQ rounding flip on a last-bit difference would hide a real one; the fp32
-policy's QDQ kernels are compared on their own (cheaply) below.
+kernels (test_decode_graph.py). Plain numerics: a QDQ rounding flip on a last-bit difference would hide a real one;
+the fp32 policy's QDQ kernels are compared on their own (cheaply) below.
 """
 
 from __future__ import annotations

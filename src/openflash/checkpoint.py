@@ -234,7 +234,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     elif (folder / "tokenizer.json").is_file():
         tokenizer, tokenizer_source = load_tokenizer(folder / "tokenizer.json"), str(folder / "tokenizer.json")
     else:
-        tokenizer, tokenizer_source = load_tokenizer(DEEPSEEK), f"the DeepSeek tokenizer ({folder} has no tokenizer.json)"
+        tokenizer = load_tokenizer(DEEPSEEK)
+        tokenizer_source = f"the DeepSeek tokenizer ({folder} has no tokenizer.json)"
     map_file = find_token_map_file(folder) if cfg.engram_layer_ids else None
     token_map = TokenMap.from_file(map_file, cfg) if map_file is not None else None
     if map_file is not None:
@@ -246,7 +247,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     if weights not in WEIGHT_RESIDENCIES:
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES} or auto, got {weights!r}")
     keep_bf16 = _bf16_matrices(model) if weights == "stored" else set()
-    report = LoadReport(folder, tokenizer=tokenizer, tokenizer_source=tokenizer_source, engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
+    report = LoadReport(folder, tokenizer=tokenizer, tokenizer_source=tokenizer_source,
+                        engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
 
     problems: list[str] = []
     present = set(files.names())

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) and `openflash serve`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one JSON body; both
-report `usage`), GET /v1/models (and /v1/models/{id}), GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+report `usage`), GET /v1/models (and /v1/models/{id}), GET /health, GET /metrics (Prometheus), POST /tokenize,
+POST /detokenize.
 
 The engine runs its own thread (engine/engine.py); a request handler submits one engine request per choice and
 waits on an asyncio queue that the engine thread feeds (loop.call_soon_threadsafe). A client that disconnects
@@ -276,10 +277,11 @@ class OpenflashServer:
     def check_length(self, text: str, param: str) -> None:
         """413 for a text too long for the context, before it is tokenized: it has at least len / max_token_chars
         tokens (tokenizer.max_chars_per_token), so a 30 MB prompt costs no tokenizer time or memory."""
-        if self.max_token_chars is not None and len(text) // self.max_token_chars >= self.max_context:
-            raise APIError(413, f"the prompt has {len(text)} characters, so at least {len(text) // self.max_token_chars}"
-                                f" tokens, but the context holds {self.max_context} (prompt plus at least one generated "
-                                f"token)", param=param, code="context_length_exceeded")
+        least = len(text) // self.max_token_chars if self.max_token_chars is not None else 0
+        if least >= self.max_context:
+            raise APIError(413, f"the prompt has {len(text)} characters, so at least {least} tokens, but the context "
+                                f"holds {self.max_context} (prompt plus at least one generated token)", param=param,
+                           code="context_length_exceeded")
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of `text` (413 first if it cannot fit the context). Called in a worker thread (see `off_loop`);

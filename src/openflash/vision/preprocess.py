@@ -127,10 +127,10 @@ class PreparedImage:
 def usable_aspect(cfg: VisionConfig, wide: bool) -> int:
     """The most elongated image (long side / short side) the preprocessing can use: the plan's most extreme grid
     is one row of max_image_tokens - 3 cells (wide) or one column of (max_image_tokens - 2) // 2 (tall; each row
-    also holds a newline), and a cell is downsample_ratio patches; a longer image would keep less than one ViT patch
-    of its short side after resizing (padded into a strip, or with max_wh_ratio set, squeezed into one)."""
+    also holds a newline), a cell being downsample_ratio x patch_size pixels across; resized into that strip, a
+    longer image would keep less than one pixel of its short side, that is nothing of its content."""
     cells = cfg.max_image_tokens - 3 if wide else (cfg.max_image_tokens - 2) // 2
-    return cells * cfg.downsample_ratio
+    return cells * cfg.downsample_ratio * cfg.patch_size
 
 
 def check_shape(width: int, height: int, limits: ImageLimits, cfg: VisionConfig | None, where: str) -> None:
@@ -145,9 +145,8 @@ def check_shape(width: int, height: int, limits: ImageLimits, cfg: VisionConfig 
         aspect, limit = max(width, height) / min(width, height), usable_aspect(cfg, wide)
         if aspect > limit:
             raise ImageError(f"{where}: the image is {width}x{height}, {aspect:.0f}:1 {'wide' if wide else 'tall'}; "
-                             f"this model's preprocessing keeps less than one {cfg.patch_size}-pixel patch of the "
-                             f"short side beyond {limit}:1 (vision_config max_image_tokens {cfg.max_image_tokens})",
-                             where)
+                             f"beyond {limit}:1 this model's preprocessing keeps less than one pixel of the short "
+                             f"side (vision_config max_image_tokens {cfg.max_image_tokens})", where)
 
 
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), where: str = "image",
