@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from openflash.config import FlashConfig, LayerMode, load_config
+from openflash.config import FlashConfig, load_config
 from openflash.errors import ConfigError
+from openflash.topology import LayerMode
 
 GOLDENS = Path(__file__).parent / "goldens"
 

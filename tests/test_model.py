@@ -7,11 +7,12 @@ import pytest
 import torch
 from conftest import WithEngram
 
-from openflash.config import LayerMode, load_config
+from openflash.config import load_config
 from openflash.model.cache import ModelCache
 from openflash.model.moe import batched_swiglu
 from openflash.model.numerics import FP32, PLAIN, TRAIN
 from openflash.model.transformer import Transformer
+from openflash.topology import LayerMode
 
 TOL = 2e-5
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openflash.config import LayerMode, load_config
+from openflash.config import load_config
 from openflash.engine.cache import CacheFactory
 from openflash.memory.placement import EngramMemory
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import FP32, PLAIN
 from openflash.model.transformer import Transformer
+from openflash.topology import LayerMode
 
 SPARE = 6
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from openflash.config import LayerMode, load_config
+from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams, filtered_probs
 from openflash.errors import OpenflashError
@@ -16,6 +16,7 @@ from openflash.memory.placement import EngramMemory
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
 from openflash.tokenizer import preset_tokenizer
+from openflash.topology import LayerMode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

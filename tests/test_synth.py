@@ -9,9 +9,10 @@ import sys
 import torch
 
 from openflash.checkpoint import count_by_dtype, load_checkpoint, resident_bytes
-from openflash.config import LayerMode, load_config
+from openflash.config import load_config
 from openflash.memory.placement import EngramMemory
 from openflash.synth import cut_config, synthesize
+from openflash.topology import LayerMode
 
 
 def _step(model, report, ids):

@@ -6,7 +6,8 @@
 quantization details, unknown keys) are kept and round-tripped.
 
 The per-layer topology (mode, owners, RoPE kind, Engram placement, encoder/decoder half) is derived once, in
-`FlashConfig.topology`, and every other module reads it from there.
+`FlashConfig.topology` (topology.py), and every other module reads it from there; the rules a config must satisfy
+are validation.py's, checked when a FlashConfig is built.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from openflash.errors import ConfigError
+from openflash.topology import Topology, build_topology
+from openflash.validation import validate
 
 log = logging.getLogger("openflash.config")
 
@@ -84,70 +86,6 @@ def _adopt_reference_names(text: dict[str, Any], source: str) -> dict[str, Any]:
     if adopted:
         log.info("%s: text_config uses reference key names; read as %s", source, ", ".join(adopted))
     return text
-
-
-class LayerMode(str, Enum):
-    """CSA2 attention mode of a layer (spec: architecture.md §5.4)."""
-
-    WINDOW = "WINDOW"  # sliding window only
-    FULL = "FULL"  # own compressor + index keys + indexer: publishes compressed KV, index keys, top-k
-    REINDEX = "REINDEX"  # own indexer over the KV owner's index keys: publishes a fresh top-k
-    REUSE = "REUSE"  # reads the latest compressed KV and top-k, computes only its own q and window KV
-
-
-@dataclass(frozen=True)
-class LayerTopology:
-    """Everything a layer needs to know about its place in the model, derived once from the config."""
-
-    index: int
-    mode: LayerMode
-    compress_ratio: int
-    rope_theta: float
-    rope_yarn: bool  # YaRN applies with compress_rope_theta on ratio > 0 layers only (architecture.md §1 "Trap")
-    kv_owner: int | None  # layer whose compressed KV this layer attends to (None: window only)
-    index_k_owner: int | None  # layer whose index keys this layer's indexer scores (None: no own indexer)
-    topk_owner: int | None  # layer whose top-k selection this layer uses
-    is_candidate_source: bool  # publishes the candidate-block mask (architecture.md §5.9)
-    uses_candidates: bool  # restricts its indexer scores to the candidate pool
-    engram_before: bool  # Engram is applied to the residual streams just before this block
-    engram_slot: int | None  # position of this layer in engram_layer_ids
-    half: str  # "encoder" or "decoder" (CED)
-
-    @property
-    def has_compressor(self) -> bool:
-        return self.mode == LayerMode.FULL
-
-    @property
-    def has_indexer(self) -> bool:
-        return self.mode in (LayerMode.FULL, LayerMode.REINDEX)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["mode"] = self.mode.value
-        return out
-
-
-@dataclass(frozen=True)
-class Topology:
-    layers: tuple[LayerTopology, ...]
-    decoder_start: int  # first layer of the decoder half (the last KV source); == n_layers if no KV source
-    kv_sources: tuple[int, ...]
-    engram_layers: tuple[int, ...]
-
-    @property
-    def encoder_layers(self) -> range:
-        return range(0, self.decoder_start)
-
-    @property
-    def decoder_layers(self) -> range:
-        return range(self.decoder_start, len(self.layers))
-
-    @property
-    def bounded_replay_ok(self) -> bool:
-        """CED bounded replay (architecture.md §7.3) needs every Engram layer in the encoder half: the replayed
-        decoder tail has no n-gram history for the prompt positions it skips. The reference also runs models whose
-        Engram sits in the decoder half; their prefill runs exact."""
-        return all(layer < self.decoder_start for layer in self.engram_layers)
 
 
 @dataclass(frozen=True)
@@ -291,7 +229,7 @@ class FlashConfig:
     # ---- derived facts, computed once ---------------------------------------------------------------------
     @cached_property
     def topology(self) -> Topology:
-        return _build_topology(self)
+        return build_topology(self)
 
     @property
     def n_hash_columns(self) -> int:
@@ -551,196 +489,8 @@ def _check_type(source: str, name: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{source}: {name} must be {expect}, got {value!r}")
 
 
-# ---- validation ----------------------------------------------------------------------------------------------
-
-def validate(cfg: FlashConfig) -> None:
-    """Raise ConfigError naming the key and value of the first inconsistency."""
-    n = cfg.num_hidden_layers
-
-    def fail(message: str) -> None:
-        raise ConfigError(message)
-
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                 "q_lora_rank", "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts",
-                 "num_experts_per_tok", "sliding_window", "hc_mult", "hc_sinkhorn_iters"):
-        if getattr(cfg, name) < 1:
-            fail(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.num_nextn_predict_layers < 0:
-        fail(f"num_nextn_predict_layers must be >= 0, got {cfg.num_nextn_predict_layers}")
-    if len(cfg.compress_ratios) not in (n, n + cfg.num_nextn_predict_layers):
-        fail(f"compress_ratios has {len(cfg.compress_ratios)} entries; expected num_hidden_layers "
-             f"({n}) + num_nextn_predict_layers ({cfg.num_nextn_predict_layers})")
-    for i, r in enumerate(cfg.compress_ratios):
-        if r < 0:
-            fail(f"compress_ratios[{i}] must be >= 0, got {r}")
-    for i in range(n, len(cfg.compress_ratios)):
-        if cfg.compress_ratios[i] != 0:
-            fail(f"compress_ratios[{i}] = {cfg.compress_ratios[i]}: DSpark stages must be window-only (ratio 0)")
-    if cfg.num_nextn_predict_layers:
-        d = cfg.dspark
-        if d.block_size < 2:
-            fail(f"dspark_block_size must be >= 2, got {d.block_size}")
-        if not 0 <= d.noise_token_id < cfg.vocab_size:
-            fail(f"dspark_noise_token_id {d.noise_token_id} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-        if not d.target_layer_ids or any(not 0 <= i < n for i in d.target_layer_ids):
-            fail(f"dspark_target_layer_ids must be backbone layers 0..{n - 1}, got {list(d.target_layer_ids)}")
-        if d.markov_rank < 1 or not 1 <= d.num_experts_per_tok <= d.n_routed_experts:
-            fail(f"dspark_markov_rank ({d.markov_rank}) must be >= 1 and dspark_num_experts_per_tok "
-                 f"({d.num_experts_per_tok}) in 1..dspark_n_routed_experts ({d.n_routed_experts})")
-    if cfg.num_attention_heads % cfg.o_groups:
-        fail(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by o_groups ({cfg.o_groups})")
-    if cfg.num_key_value_heads != 1:
-        fail(f"num_key_value_heads must be 1 (one shared K=V latent), got {cfg.num_key_value_heads}")
-    if cfg.qk_rope_head_dim % 2 or not 0 < cfg.qk_rope_head_dim <= cfg.head_dim:
-        fail(f"qk_rope_head_dim must be even and in (0, head_dim={cfg.head_dim}], got {cfg.qk_rope_head_dim}")
-    if cfg.qk_rope_head_dim > cfg.index_head_dim:
-        fail(f"qk_rope_head_dim ({cfg.qk_rope_head_dim}) exceeds index_head_dim ({cfg.index_head_dim})")
-    # Cache quantizers work in blocks of 32 (FP8 / MXFP4) and 16 (FP4 main KV): quant_and_cache.md §2.
-    for name in ("head_dim", "index_head_dim", "engram_head_dim", "hidden_size"):
-        if getattr(cfg, name) % 32:
-            fail(f"{name} must be a multiple of 32 (quantization block), got {getattr(cfg, name)}")
-    if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        fail(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
-    if cfg.scoring_func != "sqrtsoftplus":
-        fail(f"scoring_func {cfg.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
-    if cfg.rope_factor <= 0 or cfg.original_max_position_embeddings < 1:
-        fail(f"rope_scaling factor/original_max_position_embeddings must be positive, got "
-             f"{cfg.rope_factor}/{cfg.original_max_position_embeddings}")
-
-    ratios = cfg.compress_ratios
-    kv, idx = cfg.kv_source_layer_ids, cfg.index_source_layer_ids
-    for key, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", idx)):
-        if ids != sorted(set(ids)):
-            fail(f"{key} must be strictly increasing, got {ids}")
-        for layer in ids:
-            if not 0 <= layer < n:
-                fail(f"{key} names layer {layer}, which does not exist (num_hidden_layers = {n})")
-            if ratios[layer] == 0:
-                fail(f"{key} names layer {layer}, whose compress_ratio is 0 (window-only layers own no KV)")
-    missing = [layer for layer in kv if layer not in idx]
-    if missing:
-        fail(f"kv_source_layer_ids {missing} are not in index_source_layer_ids {idx} (every KV source indexes)")
-    last_kv: int | None = None
-    for layer in range(n):
-        if layer in kv:
-            last_kv = layer
-        if ratios[layer] > 0:
-            if last_kv is None:
-                fail(f"layer {layer} has compress_ratio {ratios[layer]} but no KV source at or before it "
-                     f"(kv_source_layer_ids = {kv})")
-            if ratios[last_kv] != ratios[layer]:
-                fail(f"layer {layer} has compress_ratio {ratios[layer]} but its KV owner, layer {last_kv}, has "
-                     f"ratio {ratios[last_kv]}")
-    if cfg.index_topk < 1:
-        fail(f"index_topk must be >= 1, got {cfg.index_topk}")
-    cand = cfg.candidate_source_layer_id
-    if cand >= 0:
-        if cand not in idx:
-            fail(f"candidate_source_layer_id {cand} is not an index source (index_source_layer_ids = {idx})")
-        if cfg.candidate_topk_blocks < 1 or cfg.candidate_block_size < 1:
-            fail(f"candidate_topk_blocks and candidate_block_size must be >= 1 with a candidate source, got "
-                 f"{cfg.candidate_topk_blocks} and {cfg.candidate_block_size}")
-        if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
-            fail(f"candidate pool candidate_topk_blocks*candidate_block_size = "
-                 f"{cfg.candidate_topk_blocks}*{cfg.candidate_block_size} is smaller than index_topk "
-                 f"({cfg.index_topk})")
-    elif cand != -1:
-        fail(f"candidate_source_layer_id must be a layer index or -1 (no candidate pool), got {cand}")
-
-    eng = cfg.engram_layer_ids
-    if eng:
-        if eng != sorted(set(eng)):
-            fail(f"engram_layer_ids must be strictly increasing, got {eng}")
-        if len(cfg.engram_num_embeddings) != len(eng):
-            fail(f"engram_num_embeddings has {len(cfg.engram_num_embeddings)} entries for "
-                 f"{len(eng)} engram_layer_ids")
-        for layer in eng:
-            if not 0 <= layer < n:
-                fail(f"engram_layer_ids names layer {layer}, which does not exist (num_hidden_layers = {n})")
-        if cfg.engram_max_ngram_size < 2:
-            fail(f"engram_max_ngram_size must be >= 2, got {cfg.engram_max_ngram_size}")
-        if cfg.engram_n_heads < 1 or cfg.engram_vocab_size < 2 or cfg.engram_compressed_vocab_size < 1:
-            fail("engram_n_heads, engram_vocab_size and engram_compressed_vocab_size must be positive")
-        if not 0 <= cfg.engram_pad_token_id < cfg.vocab_size:
-            fail(f"engram_pad_token_id {cfg.engram_pad_token_id} is outside the vocabulary ({cfg.vocab_size})")
-    if cfg.image_token_id is not None and not 0 <= cfg.image_token_id < cfg.vocab_size:
-        fail(f"image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.vocab_size})")
-    if cfg.has_vision:
-        cfg.vision  # noqa: B018 (parses and validates vision_config now, with its own message)
-    if cfg.weight_dtype not in ("fp8", "bf16", "fp32"):
-        fail(f"quantization_config.quant_method / dtype {cfg.weight_dtype!r} is not one of fp8, bf16, fp32")
-    if cfg.expert_dtype not in ("fp4", "fp8", "bf16", "fp32"):
-        fail(f"quantization_config.expert_dtype {cfg.expert_dtype!r} is not one of fp4, fp8, bf16, fp32")
-
-
-def _build_topology(cfg: FlashConfig) -> Topology:
-    """Owner rule of architecture.md §5.4: walk the layers, tracking the latest KV and index source."""
-    n = cfg.num_hidden_layers
-    kv, idx = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids)
-    decoder_start = max(cfg.kv_source_layer_ids) if cfg.kv_source_layer_ids else n
-    engram_slots = {layer: slot for slot, layer in enumerate(cfg.engram_layer_ids)}
-    kv_owner: int | None = None
-    topk_owner: int | None = None
-    layers = []
-    for i in range(n):
-        ratio = cfg.compress_ratios[i]
-        if ratio == 0:
-            mode, owner, k_owner, t_owner = LayerMode.WINDOW, None, None, None
-        else:
-            if i in kv:
-                kv_owner = i
-            if i in idx:
-                topk_owner = i
-            if i == kv_owner:
-                mode = LayerMode.FULL
-            elif i == topk_owner:
-                mode = LayerMode.REINDEX
-            else:
-                mode = LayerMode.REUSE
-            owner, t_owner = kv_owner, topk_owner
-            k_owner = kv_owner if mode in (LayerMode.FULL, LayerMode.REINDEX) else None
-        cand = cfg.candidate_source_layer_id
-        layers.append(LayerTopology(
-            index=i,
-            mode=mode,
-            compress_ratio=ratio,
-            rope_theta=float(cfg.compress_rope_theta if ratio > 0 else cfg.rope_theta),
-            rope_yarn=ratio > 0,
-            kv_owner=owner,
-            index_k_owner=k_owner,
-            topk_owner=t_owner,
-            is_candidate_source=(i == cand),
-            uses_candidates=(mode == LayerMode.REINDEX and cand >= 0 and owner == cand and i > cand),
-            engram_before=i in engram_slots,
-            engram_slot=engram_slots.get(i),
-            half="encoder" if i < decoder_start else "decoder",
-        ))
-    return Topology(layers=tuple(layers), decoder_start=decoder_start,
-                    kv_sources=tuple(cfg.kv_source_layer_ids), engram_layers=tuple(cfg.engram_layer_ids))
-
-
-# ---- `openflash config show` -----------------------------------------------------------------------------------
-
-def topology_table(cfg: FlashConfig) -> str:
-    header = f"{'layer':>5} {'mode':<8} {'ratio':>5} {'rope':<16} {'kv_owner':>8} {'idx_k':>6} {'topk':>5} " \
-             f"{'cand':<6} {'engram':<6} {'half':<7}"
-    lines = [header, "-" * len(header)]
-    for t in cfg.topology.layers:
-        rope = f"{t.rope_theta:g}" + ("+yarn" if t.rope_yarn else "")
-        cand = "source" if t.is_candidate_source else ("masked" if t.uses_candidates else "")
-        lines.append(f"{t.index:>5} {t.mode.value:<8} {t.compress_ratio:>5} {rope:<16} "
-                     f"{_dash(t.kv_owner):>8} {_dash(t.index_k_owner):>6} {_dash(t.topk_owner):>5} "
-                     f"{cand:<6} {'yes' if t.engram_before else '':<6} {t.half:<7}")
-    return "\n".join(lines)
-
-
-def _dash(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["FlashConfig", "VisionConfig", "LayerMode", "LayerTopology", "Topology", "load_config", "validate", "PRESETS",
-           "topology_table", "ceil_div"]
+__all__ = ["FlashConfig", "VisionConfig", "DSparkConfig", "load_config", "PRESETS", "ceil_div"]

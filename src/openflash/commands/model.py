@@ -9,12 +9,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from openflash.config import load_config, topology_table
+from openflash.config import load_config
 from openflash.errors import OpenflashError
 from openflash.manifest import read_manifest, verify_manifest, write_manifest
 from openflash.model.numerics import NUMERICS
 from openflash.parity import free_running_summary, run_golden
 from openflash.plan import build_plan, format_bytes
+from openflash.topology import topology_table
 
 
 def config_show(args: Any) -> int:

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from openflash import formats
-from openflash.config import FlashConfig, LayerMode
+from openflash.config import FlashConfig
 from openflash.errors import OpenflashError
 from openflash.model.cache import (InputHistory, ModelCache, WindowCache, concat_inputs, draft_rings, masked_put,
                                    rollback_compressed)
+from openflash.topology import LayerMode
 
 KV_STORAGES = ("fp32", "packed")
 _E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one

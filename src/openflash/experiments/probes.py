@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from openflash.checkpoint import load_checkpoint
-from openflash.config import LayerMode
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
 from openflash.model.mhc import collapse
 from openflash.model.transformer import Transformer
+from openflash.topology import LayerMode
 from openflash.train.dataset import TokenDataset, eval_batches
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash.config import FlashConfig, LayerMode, LayerTopology
+from openflash.config import FlashConfig
 from openflash.model.cache import CompressedCache
 from openflash.model.compiled import compiled, matmul_unshared
 from openflash.model.context import CompressedView, StepContext, real_tokens
@@ -26,6 +26,7 @@ from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.numerics import Numerics
 from openflash.model.rope import Rotary
+from openflash.topology import LayerMode, LayerTopology
 
 # Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
 _MAX_FLOOR = -1e30

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openflash.config import FlashConfig, LayerTopology
+from openflash.config import FlashConfig
 from openflash.model.attention import Attention
 from openflash.model.context import StepContext
 from openflash.model.engram import Engram
 from openflash.model.layers import NumericsMixin, RMSNorm
 from openflash.model.mhc import hc_kernels
 from openflash.model.moe import MoE
+from openflash.topology import LayerTopology
 
 
 class Block(nn.Module, NumericsMixin):

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from openflash.config import FlashConfig, LayerMode
+from openflash.config import FlashConfig
+from openflash.topology import LayerMode
 
 
 class RowHistory(Protocol):

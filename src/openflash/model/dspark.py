@@ -22,13 +22,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from openflash.config import FlashConfig, LayerMode, LayerTopology
+from openflash.config import FlashConfig
 from openflash.model.attention import Attention, reference_sparse_attention, sparse_attention
 from openflash.model.block import Block
 from openflash.model.cache import WindowStore
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, RMSNorm
 from openflash.model.mhc import collapse
+from openflash.topology import LayerMode, LayerTopology
 
 
 def stage_topology(cfg: FlashConfig, stage: int) -> LayerTopology:

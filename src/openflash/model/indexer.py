@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash.config import FlashConfig, LayerMode, LayerTopology
+from openflash.config import FlashConfig
 from openflash.model.compiled import compiled
 from openflash.model.context import CompressedView, StepContext
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.numerics import Numerics
 from openflash.model.rope import Rotary
+from openflash.topology import LayerMode, LayerTopology
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
