@@ -52,6 +52,9 @@ from openflash.vision.prompt import PromptImage, check_spans
 log = logging.getLogger("openflash.engine")
 
 
+Outputs = list[tuple[Sequence, RequestOutput]]  # what a step produced, per sequence, in order (delivered at its end)
+
+
 def failure_of(exc: BaseException) -> tuple[str, bool]:
     """What a request that failed on `exc` is told, and whether the failure is a storage tier's (retry later;
     its file paths stay in the server's log, not in the reply)."""
@@ -260,8 +263,19 @@ class LLMEngine:
 
     # ---- one step (engine thread) -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        outputs: list[tuple[Sequence, RequestOutput]] = []
+        """One engine step: take what arrived (and the aborts), prefill the scheduled chunks, decode the running
+        sequences, then deliver every output. Returns them (nothing when the group's leader stopped it)."""
+        start, outputs = time.perf_counter(), []
+        if not self._intake(outputs):
+            return []
+        plan = self.scheduler.schedule()
+        self._prefill(plan.prefills, outputs)
+        self._decode([s for s in plan.decodes if not s.finished], outputs)
+        return self._end_step(start, outputs)
+
+    def _intake(self, outputs: Outputs) -> bool:
+        """New requests into the waiting queue and aborts done (with expert parallelism, the leader's: followers
+        take its arrivals); False when the leader stopped the group."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -272,7 +286,7 @@ class LLMEngine:
             shared = self._share(StepInputs([self._spec(s) for s in inbox], aborts, abort_all) if leader else None)
             if shared.stop:
                 self._stop = True
-                return []
+                return False
             if not leader:
                 self.scheduler.waiting.extend(self._sequence(r, self._follower_output) for r in shared.arrivals)
                 aborts, abort_all = shared.aborts, shared.abort_all
@@ -282,48 +296,51 @@ class LLMEngine:
             seq = self.scheduler.find(rid)
             if seq is not None:
                 outputs.append((seq, self._finish(seq, ABORT)))
-        plan = self.scheduler.schedule()
-        for wave in _waves(plan.prefills):
+        return True
+
+    def _prefill(self, chunks: list[PrefillChunk], outputs: Outputs) -> None:
+        """The scheduled prompt chunks, packed into waves; a last chunk samples its sequence's first token."""
+        for wave in _waves(chunks):
             wave = [c for c in wave if not c.seq.finished]
             results = self.runner.prefill_many([ChunkTask(c.seq, c.start, c.end) for c in wave])
             for chunk, result in zip(wave, results):
                 seq = chunk.seq
-                if result.error is not None:  # a failure fails this request, not the server
-                    exc = result.error
-                    log.error("prefill of request %s failed", seq.request_id, exc_info=exc)
-                    outputs.append((seq, self._fail(seq, exc)))
-                    continue
-                self.metrics.prompt_tokens += chunk.num_tokens
                 try:
+                    if result.error is not None:  # a failure fails this request, not the server
+                        raise result.error
+                    self.metrics.prompt_tokens += chunk.num_tokens
                     self._cache_prefix(seq, chunk.start, chunk.end)
                 except Exception as exc:
-                    log.exception("caching the prefix of request %s failed", seq.request_id)
-                    outputs.append((seq, self._fail(seq, exc)))
+                    outputs.extend(self._fail([seq], exc, "prefill"))
                     continue
                 if chunk.last:
                     self.scheduler.promote(seq)
                     token = self.next_tokens(result.logits.unsqueeze(0), [seq])[0]
                     outputs.append((seq, self._append(seq, token)))
-        decodes = [s for s in plan.decodes if not s.finished]
-        if decodes:
-            try:
-                if self.runner.drafts:
-                    ordered, rounds = self.runner.speculate(decodes)
-                    committed = [r.tokens for r in rounds]
-                    self.metrics.record_rounds(rounds)
-                else:
-                    ordered, logits = self.runner.decode(decodes)
-                    committed = [[t] for t in self.next_tokens(logits, ordered)]
-            except Exception as exc:
-                log.exception("batched decode failed")
-                for seq in decodes:
-                    outputs.append((seq, self._fail(seq, exc)))
+
+    def _decode(self, decodes: list[Sequence], outputs: Outputs) -> None:
+        """One batched decode step (or speculative round) of the running sequences; each commits its tokens."""
+        if not decodes:
+            return
+        try:
+            if self.runner.drafts:
+                ordered, rounds = self.runner.speculate(decodes)
+                committed = [r.tokens for r in rounds]
+                self.metrics.record_rounds(rounds)
             else:
-                for seq, tokens in zip(ordered, committed):
-                    for token in tokens:  # a finished sequence drops the rest
-                        outputs.append((seq, self._append(seq, token)))
-                        if seq.finished:
-                            break
+                ordered, logits = self.runner.decode(decodes)
+                committed = [[t] for t in self.next_tokens(logits, ordered)]
+        except Exception as exc:
+            outputs.extend(self._fail(decodes, exc, "batched decode"))
+            return
+        for seq, tokens in zip(ordered, committed):
+            for token in tokens:  # a finished sequence drops the rest
+                outputs.append((seq, self._append(seq, token)))
+                if seq.finished:
+                    break
+
+    def _end_step(self, start: float, outputs: Outputs) -> list[RequestOutput]:
+        """Drop what finished from the batch, snapshot the counters other threads read, deliver the outputs."""
         self._flush_removals()
         if self._engram_stats is not None:  # snapshot for other threads (the memory tier is single-threaded)
             self._engram_stats = self.memory.stats()
@@ -367,8 +384,8 @@ class LLMEngine:
             self.metrics.cached_prompt_tokens += entry.num_tokens
             return True
         except Exception as exc:
-            log.exception("admitting request %s failed", seq.request_id)
-            self._deliver(seq, self._fail(seq, exc))
+            for failed, out in self._fail([seq], exc, "admission"):
+                self._deliver(failed, out)
             return False
 
     def _cache_prefix(self, seq: Sequence, start: int, end: int) -> None:
@@ -399,9 +416,12 @@ class LLMEngine:
         self._release(seq)
         return seq.emit([])
 
-    def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
-        """A request the engine failed on (the exception is in the log with its details)."""
-        return self._finish(seq, ERROR, *failure_of(exc))
+    def _fail(self, seqs: Sequence_[Sequence], exc: BaseException,
+              during: str) -> list[tuple[Sequence, RequestOutput]]:
+        """The one failure path: log the exception once with its details, finish each sequence with the message
+        its client gets (failure_of)."""
+        log.error("%s of request(s) %s failed", during, ", ".join(s.request_id for s in seqs), exc_info=exc)
+        return [(seq, self._finish(seq, ERROR, *failure_of(exc))) for seq in seqs]
 
     def _release(self, seq: Sequence) -> None:
         """Forget a finished sequence: its own cache now, its decode-batch rows at the end of the step."""
@@ -465,7 +485,7 @@ class LLMEngine:
                     self._accepting = False
                     self.scheduler.waiting.extend(self._inbox)
                     self._inbox = []
-                self._fail_in_flight("the expert-parallel group stopped")
+                self._fail_in_flight(LockstepError("the expert-parallel group stopped"), "the group's step")
                 return
 
     def _step_or_fail(self) -> None:
@@ -475,12 +495,11 @@ class LLMEngine:
         except LockstepError:
             raise
         except Exception as exc:
-            log.exception("engine step failed")
-            self._fail_in_flight(*failure_of(exc))
+            self._fail_in_flight(exc, "engine step")
 
-    def _fail_in_flight(self, error: str, unavailable: bool = False) -> None:
-        for seq in self.scheduler.all_sequences():
-            self._deliver(seq, self._finish(seq, ERROR, error, unavailable))
+    def _fail_in_flight(self, exc: BaseException, during: str) -> None:
+        for seq, out in self._fail(self.scheduler.all_sequences(), exc, during):
+            self._deliver(seq, out)
         self._flush_removals()
 
     def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
