@@ -21,6 +21,7 @@ from openflash.config import load_config
 from openflash.errors import ConfigError, EngramTableError
 from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.placement import EngramMemory
+from openflash.memory.rows import EngramTable
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.transformer import Transformer
@@ -116,6 +117,25 @@ TIERS = {
     "disk-cache-speculate": dict(placement="disk", cache_bytes=40 * 33, k=2),
     "disk-no-prefetch": dict(placement="disk", prefetch=False),
 }
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+def test_every_tier_meets_the_table_protocol(base, table_dir, placement):
+    """The memory asks its tables through `EngramTable` alone (rows.py): counters where a tier keeps them, what
+    it is, closing; the sharded tier's test (two processes, below) checks `collective`."""
+    model = copy.deepcopy(base)
+    memory = EngramMemory.attach(model, placement, table_dir=table_dir if placement == "disk" else None)
+    for table in memory.tables.values():
+        assert isinstance(table, EngramTable) and not table.collective
+        assert table.host_ids == (placement == "disk") and table.problem() is None
+    run(model, memory, k=2 if placement == "disk" else 0)
+    counted = memory.stats()["tables"]
+    assert (counted == {}) if placement == "device" else all(c["gathers"] > 0 for c in counted.values())
+    memory.reset_stats()
+    assert all(c["gathers"] == 0 for c in memory.stats()["tables"].values())
+    memory.close()
+    if placement == "disk":
+        assert all("closed" in t.problem() for t in memory.tables.values())
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
@@ -383,6 +403,7 @@ def _sharded_worker(rank: int, port: int, out_dir: str, base: Transformer, want:
         with EngramMemory.attach(model, "sharded") as memory:
             local = memory.tables[0].weight.shape[0]
             results["half the rows"] = local == -(-model.cfg.engram_num_embeddings[0] // 2)
+            results["collective"] = all(t.collective and not t.host_ids for t in memory.tables.values())
             results["logits"] = _same_logits(run(model, memory), want)
             results["speculated logits"] = _same_logits(run(model, memory, k=2), want)
         model = copy.deepcopy(base)

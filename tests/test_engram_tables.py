@@ -411,11 +411,14 @@ def test_open_tables_placements_agree(tmp_path):
 
 
 class _SlowTable:
-    """Wraps a table and delays each gather, so the consumer has to wait for the rows."""
+    """Wraps a table and delays each gather, so the consumer has to wait for the rows (the rest of the EngramTable
+    protocol is the wrapped table's)."""
 
     def __init__(self, table, delay: float) -> None:
         self.table, self.delay = table, delay
-        self.num_rows, self.dim = table.num_rows, table.dim
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
 
     def gather(self, ids):
         import time

@@ -54,8 +54,6 @@ from openflash.memory.hashing import EngramHashState
 from openflash.memory.prefetch import EngramPrefetcher, Prefetch
 from openflash.memory.rows import EngramTable
 from openflash.memory.tables import PLACEMENTS, open_tables
-from openflash.memory.tiers.disk import DiskTable
-from openflash.memory.tiers.sharded import ShardedTable
 from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 
@@ -162,8 +160,8 @@ class EngramMemory:
         self._prefetcher = EngramPrefetcher(tables) if background else None
         # Speculative gathers (k rows per batch row) get their own worker so a real prefetch never queues behind
         # one; a ShardedTable's collectives must keep one order on every rank, so it shares the main worker.
-        sharded = any(isinstance(t, ShardedTable) for t in tables.values())
-        self._speculator = EngramPrefetcher(tables) if background and not sharded else self._prefetcher
+        collective = any(t.collective for t in tables.values())
+        self._speculator = EngramPrefetcher(tables) if background and not collective else self._prefetcher
         self._speculation: _Speculation | None = None
         self._stats = MemoryStats()
 
@@ -398,7 +396,7 @@ class EngramMemory:
         return rows
 
     def _gather_now(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.tables[slot], ShardedTable):
+        if self.tables[slot].collective:
             return self._prefetcher.gather(slot, ids)  # collectives stay in the worker's order
         try:
             return self.tables[slot].gather(ids)
@@ -419,7 +417,7 @@ class EngramMemory:
         """Waits and slack per Engram layer (seconds, keyed by layer id), speculative coverage, and
         each table's lookup counters (row-cache hit rates for disk)."""
         s = self._stats
-        tables = {self.layer_ids[j]: t.stats.as_dict() for j, t in self.tables.items() if hasattr(t, "stats")}
+        tables = {self.layer_ids[j]: c for j, t in self.tables.items() if (c := t.counters()) is not None}
         hits = sum(t["hits"] for t in tables.values())
         looked_up = hits + sum(t["misses"] for t in tables.values())
         fetch = self._prefetcher.stats.fetch_seconds if self._prefetcher is not None else {}
@@ -447,8 +445,7 @@ class EngramMemory:
             if prefetcher is not None:
                 prefetcher.stats = type(prefetcher.stats)()
         for table in self.tables.values():
-            if hasattr(table, "stats"):
-                table.stats = type(table.stats)()
+            table.reset_counters()
 
     def close(self) -> None:
         """Stop the background work and close table files. The model keeps its released tables, so it cannot
@@ -456,8 +453,7 @@ class EngramMemory:
         for prefetcher in {id(p): p for p in (self._prefetcher, self._speculator) if p is not None}.values():
             prefetcher.close()
         for table in self.tables.values():
-            if isinstance(table, DiskTable):
-                table.close()
+            table.close()
         self._speculation = None
 
     def __enter__(self) -> "EngramMemory":

@@ -26,7 +26,6 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.memory.rows import EngramTable
-from openflash.memory.tiers.disk import DiskTable
 
 
 @dataclass
@@ -187,7 +186,7 @@ class EngramPrefetcher:
             raise EngramTableError(f"Engram prefetch expects hash ids [B, S, L={len(self.tables)}, C], got "
                                    f"shape {list(hash_ids.shape)}")
         batch, seq, _, cols = hash_ids.shape
-        ids = hash_ids.detach().cpu() if any(isinstance(t, DiskTable) for t in self.tables.values()) else hash_ids
+        ids = hash_ids.detach().cpu() if any(t.host_ids for t in self.tables.values()) else hash_ids
         futures = {j: self._worker.submit(self._gather, j, ids[:, :, j].contiguous()) for j in sorted(self.tables)}
         with self._lock:
             self.stats.prefetches += 1
@@ -243,8 +242,7 @@ class EngramPrefetcher:
     def _warm(self, ids: torch.Tensor) -> int:
         warmed = 0
         for j, table in sorted(self.tables.items()):
-            if isinstance(table, DiskTable):
-                warmed += table.warm(ids[..., j, :])
+            warmed += table.warm(ids[..., j, :])
         with self._lock:
             self.stats.rows_warmed += warmed
         return warmed

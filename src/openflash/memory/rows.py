@@ -16,16 +16,36 @@ import torch
 
 @runtime_checkable
 class EngramTable(Protocol):
+    """What an Engram memory (placement.py, prefetch.py) needs of a table, whatever tier holds its rows."""
+
     num_rows: int
     dim: int
+    collective: bool  # gathers are collectives every rank calls in one order (they stay on one worker)
+    host_ids: bool  # gathers read host storage: hand them CPU ids
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 [...]; returns float32 [..., dim] holding the bf16-rounded dequantized rows (engram.md §5)."""
         ...
 
+    def warm(self, ids: torch.Tensor) -> int:
+        """Load rows into the table's cache ahead of need (speculation); how many were newly cached (0 without
+        a cache)."""
+        ...
+
+    def counters(self) -> dict[str, Any] | None:
+        """Lookup counters (TableStats.as_dict), or None where the table keeps none (the model's own)."""
+        ...
+
+    def reset_counters(self) -> None:
+        ...
+
     def problem(self) -> str | None:
         """Why this table cannot serve rows now (a file gone or truncated under it), or None; cheap, and safe to
         call from another thread (a server's /health)."""
+        ...
+
+    def close(self) -> None:
+        """Release the files and threads the table holds (nothing for rows in memory)."""
         ...
 
 
@@ -49,6 +69,30 @@ class TableStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "hit_rate": self.hit_rate}
+
+
+class CountedTable:
+    """The EngramTable defaults of a tier that keeps lookup counters and its rows in memory: no collective, no
+    cache to warm, nothing to release, never unavailable. Tiers override what differs."""
+
+    collective = False
+    host_ids = False
+    stats: TableStats
+
+    def warm(self, ids: torch.Tensor) -> int:
+        return 0
+
+    def counters(self) -> dict[str, Any] | None:
+        return self.stats.as_dict()
+
+    def reset_counters(self) -> None:
+        self.stats = TableStats()
+
+    def problem(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 def output_device(device: torch.device | str | None) -> torch.device:

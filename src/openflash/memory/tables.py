@@ -5,7 +5,7 @@
     disk     DiskTable (tiers/disk.py): a table file per layer (table_file.py) with an LRU row cache (row_cache.py)
     sharded  ShardedTable (tiers/sharded.py): rows split across torch.distributed ranks
 
-Every tier implements `EngramTable.gather` (rows.py) and returns bit-identical rows. Checkpoint reading and the
+Every tier implements the `EngramTable` protocol (rows.py) and returns bit-identical rows. Checkpoint reading and the
 export to table files live in checkpoint_tables.py.
 """
 

@@ -7,7 +7,7 @@ A looked-up row dequantises to fp32(weight[r, d]) * 2^(scale[r, d//32] - 127), t
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +91,24 @@ class DeviceTable(nn.Module):
         """Bytes one row occupies in this storage (264 for the released fp8 rows of 256 values)."""
         return self.dim + self.dim // SCALE_BLOCK if self.storage == "fp8" else 4 * self.dim
 
+    # The EngramTable protocol (memory/rows.py) of the model's own tables: looked up in place, no counters.
+    collective = False
+    host_ids = False
+
+    def warm(self, ids: torch.Tensor) -> int:
+        return 0
+
+    def counters(self) -> dict[str, Any] | None:
+        return None
+
+    def reset_counters(self) -> None:
+        pass
+
     def problem(self) -> str | None:
         return None if self.released is None else f"its rows were moved to the {self.released!r} tier"
+
+    def close(self) -> None:
+        pass
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         if self.released is not None:

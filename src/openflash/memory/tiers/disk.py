@@ -13,12 +13,12 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.memory.row_cache import RowCache
-from openflash.memory.rows import TableStats, output_device
+from openflash.memory.rows import CountedTable, TableStats, output_device
 from openflash.memory.table_file import TableHeader, read_table_header
 from openflash.model.engram_table import check_ids, decode_rows
 
 
-class DiskTable:
+class DiskTable(CountedTable):
     """A table file read with positioned reads (os.pread), an LRU row cache and a small pool of reader threads.
 
     Rows are gathered by unique id (each row read once per call, runs of consecutive rows in one read), served from
@@ -26,6 +26,8 @@ class DiskTable:
     rather than a memory mapping: a mapped file that shrinks under the process turns the next access into SIGBUS,
     which kills it; a read just comes back short, and that becomes an EngramTableError naming the file.
     """
+
+    host_ids = True
 
     def __init__(self, path: Path, header: TableHeader, cache_bytes: int = 0, io_threads: int = 4,
                  device: torch.device | str | None = None, parallel_min_rows: int = 512) -> None:

@@ -6,11 +6,11 @@ import torch
 
 from openflash.errors import EngramTableError
 from openflash.formats import as_uint8
-from openflash.memory.rows import TableStats, output_device
+from openflash.memory.rows import CountedTable, TableStats, output_device
 from openflash.model.engram_table import SCALE_BLOCK, DeviceTable, check_ids, check_row_format, decode_rows
 
 
-class HostTable:
+class HostTable(CountedTable):
     """FP8 rows and scales in CPU RAM; each gather copies only the looked-up rows (264 B each) to `device`."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, device: torch.device | str | None = None,
@@ -33,9 +33,6 @@ class HostTable:
     @property
     def row_bytes(self) -> int:
         return self.dim + self.dim // SCALE_BLOCK
-
-    def problem(self) -> str | None:
-        return None  # rows in memory
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from openflash.errors import EngramTableError
 from openflash.formats import as_uint8
-from openflash.memory.rows import TableStats, output_device
+from openflash.memory.rows import CountedTable, TableStats, output_device
 from openflash.memory.table_file import row_reader
 from openflash.model.engram_table import SCALE_BLOCK, UE8M0_ONE, check_ids, check_row_format, decode_rows
 
@@ -34,7 +34,7 @@ def shard_rows(weight: Any, scale: Any, rank: int, world_size: int) -> tuple[tor
     return w, s
 
 
-class ShardedTable:
+class ShardedTable(CountedTable):
     """Rows split across the ranks of a process group; every rank gets the full rows (engram.md §5).
 
     All ranks must call `gather` together with the same ids, as in tensor-parallel inference. Each rank looks up
@@ -42,6 +42,8 @@ class ShardedTable:
     runs on the raw FP8/UE8M0 bytes: exactly one rank contributes a nonzero record per id, so the sum is that
     record, bit for bit, and a quarter of the bytes of summing decoded fp32 rows travel.
     """
+
+    collective = True  # (a lost peer fails the collective itself: no `problem` to report ahead)
 
     def __init__(self, local_weight: torch.Tensor, local_scale: torch.Tensor, num_rows: int,
                  group: "dist.ProcessGroup | None" = None, device: torch.device | str | None = None) -> None:
@@ -71,9 +73,6 @@ class ShardedTable:
     @property
     def row_bytes(self) -> int:
         return self.dim + self.dim // SCALE_BLOCK
-
-    def problem(self) -> str | None:
-        return None  # this rank's block is in memory; a lost peer fails the collective itself
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(self.device)
