@@ -8,6 +8,7 @@ import torch
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
+from openflash.model.numerics import NUMERICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,21 +82,33 @@ def test_lru_eviction_bounds_bytes(tiny):
     assert engine.factory.pool.blocks_in_use == 0
 
 
-def test_persisted_cache_survives_a_restart(tiny, tmp_path):
+@pytest.mark.parametrize("kv_storage", ["fp32", "packed"])
+def test_persisted_cache_survives_a_restart(tiny, tmp_path, kv_storage):
+    """Each window ring saved by its planes (WindowStore.planes) and rebuilt by its storage's class (packed rings
+    hold the fp32 policy's FP8 cache format, so that run uses it)."""
     model, tok = tiny
-    prompt = ids(70, seed=3)
-    config = EngineConfig(prefill_chunk=32, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"))
-    first = LLMEngine(model, tok, config)
-    a = run_one(first, prompt)
-    first.shutdown(drain_timeout=0)
-    assert (tmp_path / "pc" / "prefix_cache.json").exists()
-    second = LLMEngine(model, tok, config)
-    assert len(second.prefix_cache.entries) == len(first.prefix_cache.entries) == 2
-    b = run_one(second, prompt)
-    assert b.num_cached == 64 and b.output_ids == a.output_ids
-    other = EngineConfig(prefill_chunk=16, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"))
-    with pytest.raises(OpenflashError, match="fingerprint"):
-        LLMEngine(model, tok, other)
+    numerics = model.numerics
+    model.set_numerics(NUMERICS["fp32"] if kv_storage == "packed" else numerics)
+    try:
+        prompt = ids(70, seed=3)
+        config = EngineConfig(prefill_chunk=32, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"),
+                              kv_storage=kv_storage)
+        first = LLMEngine(model, tok, config)
+        a = run_one(first, prompt)
+        first.shutdown(drain_timeout=0)
+        assert (tmp_path / "pc" / "prefix_cache.json").exists()
+        second = LLMEngine(model, tok, config)
+        assert len(second.prefix_cache.entries) == len(first.prefix_cache.entries) == 2
+        saved = [e for e in second.prefix_cache.entries.values() if e.window is not None]
+        assert saved and all(w.storage == kv_storage for e in saved for w in e.window)
+        b = run_one(second, prompt)
+        assert b.num_cached == 64 and b.output_ids == a.output_ids
+        other = EngineConfig(prefill_chunk=16, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"),
+                             kv_storage=kv_storage)
+        with pytest.raises(OpenflashError, match="fingerprint"):
+            LLMEngine(model, tok, other)
+    finally:
+        model.set_numerics(numerics)
 
 
 @pytest.mark.parametrize("prefill_mode", ["bounded", "exact"])

@@ -358,10 +358,7 @@ def resident_bytes(model: Transformer) -> int:
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    for module in model.modules():
-        if isinstance(module, Linear) and module._dequant is not None:
-            total += module._dequant.numel() * module._dequant.element_size()
-    return total
+    return total + sum(m.dequantized_bytes for m in model.modules() if isinstance(m, Linear))
 
 
 def choose_residency(model: Transformer, available: int | None = None) -> str:

@@ -404,8 +404,17 @@ class PackedWindowCache:
     A `WindowStore` (model/cache.py), like the dense WindowCache: `kv` is decoded on access.
     """
 
+    storage = "packed"
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor) -> None:
         self.codes, self.scales, self.pos = codes, scales, pos  # [B, W, D] u8, [B, W, D/32] u8, [B, W] long
+
+    def planes(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "pos": self.pos}
+
+    @classmethod
+    def from_planes(cls, planes: dict[str, torch.Tensor]) -> "PackedWindowCache":
+        return cls(planes["codes"], planes["scales"], planes["pos"])
 
     @classmethod
     def empty(cls, batch_size: int, window: int, dim: int, device: torch.device | str = "cpu") -> "PackedWindowCache":
@@ -454,6 +463,10 @@ class PackedWindowCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.pos))
+
+
+# The window ring of each kv_storage (a saved prefix cache names it; its planes rebuild the ring).
+WINDOW_STORES: dict[str, type] = {"fp32": WindowCache, "packed": PackedWindowCache}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.engine.cache import CacheFactory, PackedWindowCache
+from openflash.engine.cache import WINDOW_STORES, CacheFactory
 from openflash.errors import OpenflashError
 from openflash.memory.hashing import EngramHashState
-from openflash.model.cache import ModelCache, ReplayBuffer, WindowCache
+from openflash.model.cache import ModelCache, ReplayBuffer
 
 RESTORE_MODES = ("snapshot", "replay")
 INDEX_FILE, TENSOR_FILE = "prefix_cache.json", "prefix_cache.safetensors"
@@ -202,8 +202,7 @@ class PrefixCache:
         total = sum(_tensor_bytes(p.partial_kv, p.partial_score) for p in entry.planes.values())
         total += _tensor_bytes(entry.engram)
         for w in entry.window or []:
-            total += _tensor_bytes(w.codes, w.scales, w.pos) if isinstance(w, PackedWindowCache) \
-                else _tensor_bytes(w.kv, w.pos)
+            total += _tensor_bytes(*w.planes().values())
         if entry.replay is not None:
             total += _tensor_bytes(entry.replay.residual, entry.replay.pre_mix, entry.replay.positions)
         return total
@@ -260,12 +259,9 @@ class PrefixCache:
             if entry.engram is not None:
                 tensors[f"{p}.engram"] = entry.engram.contiguous()
             item["engram"] = entry.engram is not None
-            item["window"] = None if entry.window is None else \
-                ("packed" if isinstance(entry.window[0], PackedWindowCache) else "fp32")
+            item["window"] = None if entry.window is None else entry.window[0].storage
             for i, w in enumerate(entry.window or []):
-                parts = {"codes": w.codes, "scales": w.scales, "pos": w.pos} if isinstance(w, PackedWindowCache) \
-                    else {"kv": w.kv, "pos": w.pos}
-                for name, t in parts.items():
+                for name, t in w.planes().items():
                     tensors[f"{p}.w{i}.{name}"] = t.contiguous()
             item["replay"] = entry.replay is not None
             if entry.replay is not None:
@@ -323,12 +319,10 @@ class PrefixCache:
                 entry.engram = tensors[f"{p}.engram"]
             if item["window"] is not None:
                 n_layers = len(self.factory.cfg.topology.layers)
-                if item["window"] == "packed":
-                    entry.window = [PackedWindowCache(tensors[f"{p}.w{i}.codes"], tensors[f"{p}.w{i}.scales"],
-                                                      tensors[f"{p}.w{i}.pos"]) for i in range(n_layers)]
-                else:
-                    entry.window = [WindowCache(tensors[f"{p}.w{i}.kv"], tensors[f"{p}.w{i}.pos"])
-                                    for i in range(n_layers)]
+                store = WINDOW_STORES[item["window"]]
+                names = {k.rsplit(".", 1)[1] for k in tensors if k.startswith(f"{p}.w0.")}
+                entry.window = [store.from_planes({n: tensors[f"{p}.w{i}.{n}"] for n in names})
+                                for i in range(n_layers)]
             if item["replay"]:
                 positions = tensors[f"{p}.replay.positions"]
                 # Files written before images existed hold no mask: their prompts were all text.

@@ -42,10 +42,14 @@ class WindowStore(Protocol):
     """A sliding-window KV ring of B sequences: slot = position % W; `pos` -1 marks an empty slot."""
 
     pos: torch.Tensor  # [B, W] long
+    storage: str  # "fp32" or "packed" (engine/cache.py KV_STORAGES)
 
     @property
     def kv(self) -> torch.Tensor:
         """[B, W, head_dim] values (decoded, for packed storage)."""
+
+    def planes(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold the ring, by name (what a saved prefix cache writes; `from_planes` reads)."""
 
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None: ...
 
@@ -212,6 +216,14 @@ def _pad_cat(tensors: list[torch.Tensor], dim: int, fill: float) -> torch.Tensor
 class WindowCache:
     kv: torch.Tensor  # [B, W, head_dim], QDQ'd values after RoPE
     pos: torch.Tensor  # [B, W] absolute position held by each slot, -1 = empty
+    storage = "fp32"
+
+    def planes(self) -> dict[str, torch.Tensor]:
+        return {"kv": self.kv, "pos": self.pos}
+
+    @classmethod
+    def from_planes(cls, planes: dict[str, torch.Tensor]) -> "WindowCache":
+        return cls(planes["kv"], planes["pos"])
 
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Store tokens at slot position % W; only the last W of a chunk survive (they overwrite the rest)."""

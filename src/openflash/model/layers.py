@@ -135,6 +135,11 @@ class Linear(nn.Module, NumericsMixin):
     def drop_dequantized(self) -> None:
         self._dequant = self._dequant_key = None
 
+    @property
+    def dequantized_bytes(self) -> int:
+        """Bytes the fp32 copy of a quantized weight holds now (0 until first use, and in "stored" residency)."""
+        return 0 if self._dequant is None else self._dequant.numel() * self._dequant.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_kernels(self.numerics).linear(self, x)
 
