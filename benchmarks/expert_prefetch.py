@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import load_checkpoint
+from openflash.files.run_dir import latest_checkpoint
+from openflash.files.shards import tensor_locations
 from openflash.memory.experts import ROUTED, ExpertStore
 from openflash.memory.placement import EngramMemory
-from openflash.run_dir import latest_checkpoint
-from openflash.shards import tensor_locations
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,7 +47,7 @@ def drop_page_cache(folder: Path) -> None:
 
 
 def synth_checkpoint(layers: int, experts: int) -> Path:
-    from openflash.synth import synthesize
+    from openflash.tools.synth import synthesize
 
     folder = Path(f"runs/bench/prefetch_flash_l{layers}_e{experts}")
     marker = folder / "SYNTH_DONE.json"

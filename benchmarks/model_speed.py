@@ -25,7 +25,7 @@ import torch
 from openflash.checkpoint import open_model
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import FP32
-from openflash.plan import build_plan
+from openflash.tools.plan import build_plan
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -36,8 +36,8 @@ from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
 from openflash.memory.placement import EngramMemory
 from openflash.model.layers import Linear
-from openflash.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
-from openflash.synth import cut_config, synthesize
+from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
+from openflash.tools.synth import cut_config, synthesize
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 1 << 30

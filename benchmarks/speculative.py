@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import load_checkpoint
-from openflash.demo import PROMPTS
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
+from openflash.tools.demo import PROMPTS
 
 RESULTS = Path(__file__).parent / "results"
 EXTRA_PROMPTS = ("for i in range(", "    return ", "from typing import ", "if __name__ == ")

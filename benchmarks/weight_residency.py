@@ -22,7 +22,7 @@ import torch
 
 from openflash.checkpoint import load_checkpoint, resident_bytes
 from openflash.memory.placement import EngramMemory
-from openflash.synth import synthesize
+from openflash.tools.synth import synthesize
 
 RESULTS = Path(__file__).parent / "results"
 

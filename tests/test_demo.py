@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from openflash.cli import main as cli_main
-from openflash.demo import DemoConfig, run_demo, select_corpus
-from openflash.run_dir import latest_checkpoint
+from openflash.files.run_dir import latest_checkpoint
+from openflash.tools.demo import DemoConfig, run_demo, select_corpus
 from openflash.train.prepare import is_validation
 
 
@@ -57,7 +57,7 @@ def test_demo_stages_cache_and_continue(tmp_path: Path, capsys: pytest.CaptureFi
 
     # A larger budget continues the same run from its checkpoint.
     # (the budget is set from what the first run trained, so a slow first step cannot use it all up)
-    from openflash.run_dir import read_trainer_state
+    from openflash.files.run_dir import read_trainer_state
     trained = float(read_trainer_state(ckpt)["trained_seconds"])
     third = run_demo(_config(tmp_path, corpus, minutes=(trained + 4.0) / 60))
     out = capsys.readouterr().out

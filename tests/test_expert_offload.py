@@ -17,7 +17,7 @@ from openflash.errors import CheckpointError, OpenflashError
 from openflash.memory.experts import ExpertStore
 from openflash.memory.placement import EngramMemory
 from openflash.serve.metrics import render
-from openflash.synth import synthesize
+from openflash.tools.synth import synthesize
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from openflash.checkpoint import load_checkpoint, save_checkpoint
 from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.errors import OpenflashError
-from openflash.manifest import MANIFEST_FILE, verify_manifest
+from openflash.files.manifest import MANIFEST_FILE, verify_manifest
 from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.table_file import read_table_header, table_file_name
 from openflash.model.transformer import Transformer

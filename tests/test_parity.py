@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openflash.parity import run_golden
+from openflash.tools.parity import run_golden
 
 GOLDENS = sorted(p for p in (Path(__file__).parent / "goldens").iterdir() if (p / "expected.safetensors").exists())
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from openflash.errors import OpenflashError
-from openflash.placement_plan import WORK_RESERVE, GiB, parse_size, plan_placement
-from openflash.synth import synthesize
+from openflash.tools.placement_plan import WORK_RESERVE, GiB, parse_size, plan_placement
+from openflash.tools.synth import synthesize
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from openflash.plan import build_plan
+from openflash.tools.plan import build_plan
 
 
 def test_released_numbers():

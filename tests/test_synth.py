@@ -11,7 +11,7 @@ import torch
 from openflash.checkpoint import count_by_dtype, load_checkpoint, resident_bytes
 from openflash.config import load_config
 from openflash.memory.placement import EngramMemory
-from openflash.synth import cut_config, synthesize
+from openflash.tools.synth import cut_config, synthesize
 from openflash.topology import LayerMode
 
 

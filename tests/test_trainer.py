@@ -19,9 +19,9 @@ from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.commands.train import train as train_command
 from openflash.errors import OpenflashError
-from openflash.manifest import MANIFEST_FILE, verify_manifest
+from openflash.files.manifest import MANIFEST_FILE, verify_manifest
+from openflash.files.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
 from openflash.memory.placement import EngramMemory
-from openflash.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
 from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)

@@ -12,7 +12,7 @@ from openflash.checkpoint import choose_residency, load_checkpoint, resident_byt
 from openflash.errors import CheckpointError
 from openflash.memory.placement import EngramMemory
 from openflash.model import layers
-from openflash.parity import run_golden
+from openflash.tools.parity import run_golden
 
 GOLDENS = Path(__file__).parent / "goldens"
 

@@ -30,10 +30,12 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from openflash import formats
-from openflash.atomic import write_text_atomic
 from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
-from openflash.manifest import verify_manifest, write_manifest
+from openflash.files.atomic import write_text_atomic
+from openflash.files.manifest import verify_manifest, write_manifest
+from openflash.files.run_dir import latest_checkpoint
+from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
@@ -42,8 +44,6 @@ from openflash.model.compiled import check_toolchain
 from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
-from openflash.run_dir import latest_checkpoint
-from openflash.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import PromptImage, text_prompt

@@ -11,10 +11,10 @@ from typing import Any
 
 from openflash.config import load_config
 from openflash.errors import OpenflashError
-from openflash.manifest import read_manifest, verify_manifest, write_manifest
+from openflash.files.manifest import read_manifest, verify_manifest, write_manifest
 from openflash.model.numerics import NUMERICS
-from openflash.parity import free_running_summary, run_golden
-from openflash.plan import build_plan, format_bytes
+from openflash.tools.parity import free_running_summary, run_golden
+from openflash.tools.plan import build_plan, format_bytes
 from openflash.topology import topology_table
 
 
@@ -62,7 +62,7 @@ def plan(args: Any) -> int:
 
 def plan_memory(args: Any) -> int:
     """`openflash plan MODEL --memory SIZE [--accelerator-memory SIZE] [--measure] [--out plan.json]`."""
-    from openflash.placement_plan import measure_bandwidth, parse_size, plan_placement, write_placement
+    from openflash.tools.placement_plan import measure_bandwidth, parse_size, plan_placement, write_placement
 
     memory = parse_size(args.memory, "--memory")
     accelerator = parse_size(args.accelerator_memory, "--accelerator-memory") if args.accelerator_memory else None
@@ -138,8 +138,8 @@ def verify(args: Any) -> int:
 
 def synth(args: Any) -> int:
     """`openflash checkpoint synth CONFIG OUT [--layers N] [--experts N] [--seed S]`."""
-    from openflash.plan import format_bytes
-    from openflash.synth import synthesize
+    from openflash.tools.plan import format_bytes
+    from openflash.tools.synth import synthesize
 
     report = synthesize(args.config, args.out, layers=args.layers, experts=args.experts, seed=args.seed,
                         vision=not args.no_vision, shard_bytes=args.shard_bytes,

@@ -14,7 +14,7 @@ from openflash.checkpoint import LoadedModel, open_model
 from openflash.engine.generate import generate as generate_text
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-from openflash.manifest import verify_manifest
+from openflash.files.manifest import verify_manifest
 
 log = logging.getLogger("openflash.serve")
 
@@ -23,7 +23,7 @@ def apply_placement(args: Any) -> None:
     """--placement plan.json: its settings become the run's flags (given together with them, an error)."""
     if args.placement is None:
         return
-    from openflash.placement_plan import read_placement
+    from openflash.tools.placement_plan import read_placement
 
     defaults = {"weights": "auto", "expert_placement": "device", "expert_cache_bytes": 0,
                 "engram_placement": "device", "engram_cache_bytes": 0}

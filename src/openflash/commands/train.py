@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from openflash.demo import DemoConfig, run_demo
 from openflash.errors import OpenflashError
+from openflash.tools.demo import DemoConfig, run_demo
 from openflash.train.distributed import init_from_env
 from openflash.train.plot import plot_run
 from openflash.train.prepare import prepare_dataset

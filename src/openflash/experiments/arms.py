@@ -24,7 +24,7 @@ from openflash.experiments.scale import Scale
 from openflash.memory.hashing import find_table_primes
 from openflash.model.engram_table import DeviceTable
 from openflash.model.transformer import Transformer
-from openflash.plan import build_plan
+from openflash.tools.plan import build_plan
 
 ENGRAM_LAYERS = [1]  # in the encoder half, so bounded replay stays available (Topology.bounded_replay_ok)
 ENGRAM_MAX_NGRAM = 3

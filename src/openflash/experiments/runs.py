@@ -38,7 +38,7 @@ class StudyData:
 
 def prepare_data(out: Path, scale: Scale, say: Callable[[str], None] = print) -> StudyData:
     """Tokenizer and token shards of the scale's corpus (Python stdlib source), built once under out/data."""
-    from openflash.demo import select_corpus
+    from openflash.tools.demo import select_corpus
     from openflash.tokenizer import load_tokenizer
     from openflash.train.prepare import prepare_dataset
     from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
@@ -91,7 +91,7 @@ def train_run(spec: RunSpec, out: Path, threads: int) -> dict:
     """Train one run (or finish it from its latest checkpoint) and write its result.json."""
     import torch
 
-    from openflash.run_dir import latest_checkpoint
+    from openflash.files.run_dir import latest_checkpoint
     from openflash.train.distributed import DistContext
     from openflash.train.trainer import TrainConfig, Trainer
 

@@ -12,11 +12,11 @@ from typing import Any, Callable
 import torch
 
 from openflash.errors import CheckpointError, ConfigError
+from openflash.files.manifest import write_manifest
+from openflash.files.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 from openflash.formats import encode_window_fp8
-from openflash.manifest import write_manifest
 from openflash.memory.table_file import row_reader, table_file_name, write_table_file
 from openflash.model.engram_table import SCALE_BLOCK
-from openflash.shards import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 
 @dataclass(frozen=True)

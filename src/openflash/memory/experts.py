@@ -38,9 +38,9 @@ import torch
 
 from openflash.config import FlashConfig
 from openflash.errors import CheckpointError, OpenflashError
+from openflash.files.shards import ShardReader, TensorLocation, tensor_locations
 from openflash.model.moe import Expert
 from openflash.model.numerics import Numerics
-from openflash.shards import ShardReader, TensorLocation, tensor_locations
 
 EXPERT_PLACEMENTS = ("device", "host", "disk")
 ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 
 from openflash.checkpoint import build_model, checkpoint_folder, load_checkpoint, save_checkpoint
 from openflash.errors import OpenflashError
+from openflash.files.run_dir import ARGS_FILE
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import find_token_map_file
 from openflash.model import dspark
 from openflash.model.cache import ModelCache, WindowCache
 from openflash.model.context import StepContext
 from openflash.model.transformer import Transformer
-from openflash.run_dir import ARGS_FILE
 from openflash.train.dataset import BatchLoader, TokenDataset
 
 log = logging.getLogger("openflash.train")

@@ -29,8 +29,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from openflash.atomic import write_json_atomic
 from openflash.errors import OpenflashError
+from openflash.files.atomic import write_json_atomic
 from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
 from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, ShardInfo,
                                      SplitInfo, check_same_args, docs_name, shard_name, token_dtype)

@@ -40,12 +40,12 @@ from tqdm import tqdm
 from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.manifest import verify_manifest, write_manifest
+from openflash.files.manifest import verify_manifest, write_manifest
+from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.compiled import check_toolchain
 from openflash.model.numerics import TRAIN
-from openflash.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads

@@ -35,14 +35,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from openflash.atomic import write_text_atomic
 from openflash.checkpoint import build_model, official_tensors
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.manifest import write_manifest
+from openflash.files.atomic import write_text_atomic
+from openflash.files.manifest import write_manifest
+from openflash.files.shards import INDEX_FILE
 from openflash.memory.checkpoint_tables import read_engram_spec
 from openflash.memory.table_file import TableHeader, table_file_name
-from openflash.shards import INDEX_FILE
 from openflash.tokenizer import needs_cut, preset_tokenizer
 
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")

@@ -150,7 +150,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
-    from openflash.run_dir import latest_checkpoint, read_trainer_state
+    from openflash.files.run_dir import latest_checkpoint, read_trainer_state
     from openflash.train.trainer import TrainConfig, Trainer
 
     budget = cfg.minutes * 60.0
@@ -191,7 +191,7 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
     from openflash.checkpoint import load_checkpoint
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
-    from openflash.run_dir import latest_checkpoint
+    from openflash.files.run_dir import latest_checkpoint
     from openflash.tokenizer import load_tokenizer
 
     checkpoint = latest_checkpoint(train_dir)

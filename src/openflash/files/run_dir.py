@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file
 
-from openflash.atomic import write_json_atomic, write_text_atomic
 from openflash.errors import OpenflashError
-from openflash.shards import INDEX_FILE, SINGLE_FILE
+from openflash.files.atomic import write_json_atomic, write_text_atomic
+from openflash.files.shards import INDEX_FILE, SINGLE_FILE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"

@@ -38,7 +38,7 @@ import torch
 from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.plan import format_bytes, kv_bytes, stored_bytes
+from openflash.tools.plan import format_bytes, kv_bytes, stored_bytes
 
 GiB = 1 << 30
 WORK_RESERVE = 2 * GiB  # activations, runtime, allocator slack
