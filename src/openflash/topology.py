@@ -9,10 +9,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from openflash.config import FlashConfig
+
+class TopologySource(Protocol):
+    """The config keys the topology derives from (FlashConfig has them; this module needs nothing else)."""
+
+    num_hidden_layers: int
+    compress_ratios: list[int]
+    kv_source_layer_ids: list[int]
+    index_source_layer_ids: list[int]
+    engram_layer_ids: list[int]
+    candidate_source_layer_id: int
+    rope_theta: float
+    compress_rope_theta: float
 
 
 class LayerMode(str, Enum):
@@ -79,7 +89,7 @@ class Topology:
         return all(layer < self.decoder_start for layer in self.engram_layers)
 
 
-def build_topology(cfg: "FlashConfig") -> Topology:
+def build_topology(cfg: TopologySource) -> Topology:
     """Owner rule of architecture.md §5.4: walk the layers, tracking the latest KV and index source."""
     n = cfg.num_hidden_layers
     kv, idx = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids)
@@ -125,12 +135,12 @@ def build_topology(cfg: "FlashConfig") -> Topology:
                     kv_sources=tuple(cfg.kv_source_layer_ids), engram_layers=tuple(cfg.engram_layer_ids))
 
 
-def topology_table(cfg: "FlashConfig") -> str:
+def topology_table(topology: Topology) -> str:
     """The per-layer table `openflash config show` prints."""
     header = f"{'layer':>5} {'mode':<8} {'ratio':>5} {'rope':<16} {'kv_owner':>8} {'idx_k':>6} {'topk':>5} " \
              f"{'cand':<6} {'engram':<6} {'half':<7}"
     lines = [header, "-" * len(header)]
-    for t in cfg.topology.layers:
+    for t in topology.layers:
         rope = f"{t.rope_theta:g}" + ("+yarn" if t.rope_yarn else "")
         cand = "source" if t.is_candidate_source else ("masked" if t.uses_candidates else "")
         lines.append(f"{t.index:>5} {t.mode.value:<8} {t.compress_ratio:>5} {rope:<16} "
@@ -143,4 +153,4 @@ def _dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-__all__ = ["LayerMode", "LayerTopology", "Topology", "build_topology", "topology_table"]
+__all__ = ["LayerMode", "LayerTopology", "Topology", "TopologySource", "build_topology", "topology_table"]

@@ -24,7 +24,7 @@ def config_show(args: Any) -> int:
         print(json.dumps({"layers": [t.as_dict() for t in cfg.topology.layers],
                           "decoder_start": cfg.topology.decoder_start}, indent=1))
     else:
-        print(topology_table(cfg))
+        print(topology_table(cfg.topology))
         print(f"\nencoder: layers 0-{cfg.topology.decoder_start - 1}   "
               f"decoder: layers {cfg.topology.decoder_start}-{cfg.num_hidden_layers - 1}")
     return 0
