@@ -45,7 +45,7 @@ from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.memory.placement import EngramMemory
-from openflash.model.moe import ExpertSource
+from openflash.model.context import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.prompt import PromptImage, check_spans
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.memory.placement import EngramMemory
-from openflash.model.moe import ExpertSource
+from openflash.model.context import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import EncodedImages, PromptImage, check_spans, text_prompt

@@ -31,8 +31,8 @@ from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
+from openflash.model.context import ExpertSource
 from openflash.model.engram import EngramRows
-from openflash.model.moe import ExpertSource
 from openflash.model.transformer import TargetHidden, Transformer
 from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask

@@ -9,15 +9,31 @@ that exists for one call only, and carried state lives in the `ModelCache`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Mapping, Protocol
 
 import torch
+from torch import nn
 
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import Numerics
 
-if TYPE_CHECKING:
-    from openflash.model.moe import ExpertSource
+
+class ExpertSource(Protocol):
+    """Routed experts that live outside the model (memory/experts.py: host RAM or the checkpoint's shards on disk,
+    behind a cache); a model loaded without its routed experts reads them from here, through `StepContext`
+    (declared here, where the context that carries it lives: moe.py reads both)."""
+
+    def experts(self, layer: int, ids: list[int]) -> Mapping[int, nn.Module]:
+        """The experts `ids` of backbone layer `layer` that this process runs (all of them, or under expert
+        parallelism its share), ready to run on the model's device: `model.moe.Expert` modules."""
+
+    def combine(self, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum over every process that ran a share (itself, in a single process)."""
+
+    prefetching: bool  # whether `prefetch` hints are used (False: the model computes none)
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """A hint: layer `layer` will probably ask for experts `ids` soon (start reading them)."""
 
 
 class Probe(Protocol):

@@ -9,7 +9,7 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -23,23 +23,6 @@ from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
 
 OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
-
-
-class ExpertSource(Protocol):
-    """Routed experts that live outside the model (memory/experts.py: host RAM or the checkpoint's shards on disk,
-    behind a cache); a model loaded without its routed experts reads them from here, through `StepContext`."""
-
-    def experts(self, layer: int, ids: list[int]) -> Mapping[int, "Expert"]:
-        """The experts `ids` of backbone layer `layer` that this process runs (all of them, or under expert
-        parallelism its share), ready to run on the model's device."""
-
-    def combine(self, routed: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum over every process that ran a share (itself, in a single process)."""
-
-    prefetching: bool  # whether `prefetch` hints are used (False: the model computes none)
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """A hint: layer `layer` will probably ask for experts `ids` soon (start reading them)."""
 
 
 class Gate(nn.Module):

@@ -34,14 +34,14 @@ from openflash.model import dspark
 from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer, append_replay
 from openflash.model.compiled_blocks import CompiledBlock
-from openflash.model.context import CompressedView, Probe, StepContext, real_tokens
+from openflash.model.context import CompressedView, ExpertSource, Probe, StepContext, real_tokens
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.dspark import DSparkStage
 from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import collapse
-from openflash.model.moe import OFFLOAD_CHUNK, ExpertSource
+from openflash.model.moe import OFFLOAD_CHUNK
 from openflash.model.numerics import FP32, Numerics
 from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
