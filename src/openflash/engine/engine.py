@@ -132,7 +132,11 @@ class StepSync(Protocol):
         """This rank's engine takes the requests; the others follow it."""
 
     def share(self, inputs: StepInputs | None) -> StepInputs:
-        """The leader's step inputs (given on the leader, None elsewhere), on every rank."""
+        """The leader's step inputs (given on the leader, None elsewhere), on every rank; LockstepError when the
+        link broke."""
+
+    def intake(self, arrived: list[Sequence], aborts: list[str], abort_all: bool) -> StepInputs:
+        """A step's arrivals and aborts as the leader took them in, on every rank."""
 
 
 class LLMEngine:
@@ -282,12 +286,11 @@ class LLMEngine:
         abort_all = self._abort_all
         self.scheduler.waiting.extend(inbox)  # capacity was checked in add_request
         if self.lockstep is not None:
-            leader = self.lockstep.leader
-            shared = self._share(StepInputs([self._spec(s) for s in inbox], aborts, abort_all) if leader else None)
+            shared = self.lockstep.intake(inbox, aborts, abort_all)
             if shared.stop:
                 self._stop = True
                 return False
-            if not leader:
+            if not self.lockstep.leader:
                 self.scheduler.waiting.extend(self._sequence(r, self._follower_output) for r in shared.arrivals)
                 aborts, abort_all = shared.aborts, shared.abort_all
         if abort_all:
@@ -351,18 +354,6 @@ class LLMEngine:
         for seq, out in outputs:
             self._deliver(seq, out)
         return [out for _, out in outputs]
-
-    @staticmethod
-    def _spec(seq: Sequence) -> RequestSpec:
-        return RequestSpec(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images)
-
-    def _share(self, inputs: StepInputs | None) -> StepInputs:
-        """The leader's step inputs on every rank (a broken link stops this engine: its replicas cannot go on)."""
-        try:
-            return self.lockstep.share(inputs)
-        except Exception as exc:
-            raise LockstepError(f"the expert-parallel group lost its step link ({type(exc).__name__}: {exc}); "
-                                f"this rank stops") from exc
 
     def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its logits row (each with its own sampler)."""
@@ -546,7 +537,7 @@ class LLMEngine:
             self._thread = None
         if self.lockstep is not None and self.lockstep.leader:
             try:
-                self._share(StepInputs(stop=True))
+                self.lockstep.share(StepInputs(stop=True))
             except LockstepError:
                 log.exception("could not tell the follower ranks to stop")
         if self.prefix_cache is not None and self.config.prefix_cache_dir:

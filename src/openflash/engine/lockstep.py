@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from openflash.engine.request import Sequence
 from openflash.engine.sampling import SamplingParams
 from openflash.vision.prompt import PromptImage
 
@@ -38,6 +39,10 @@ class RequestSpec:
     params: SamplingParams  # with its seed set when it samples
     eos_token_id: int | None
     images: list[PromptImage] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestSpec":
+        return cls(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images)
 
 
 @dataclass
@@ -63,10 +68,21 @@ class Lockstep:
         return self.rank == 0
 
     def share(self, inputs: StepInputs | None) -> StepInputs:
-        """The leader's inputs (given on the leader, None on a follower), on every rank."""
+        """The leader's inputs (given on the leader, None on a follower), on every rank; a broken link is a
+        LockstepError (this rank's engine cannot go on without its replicas)."""
         box = [inputs if self.leader else None]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:
+            raise LockstepError(f"the expert-parallel group lost its step link ({type(exc).__name__}: {exc}); "
+                                f"this rank stops") from exc
         return box[0]
+
+    def intake(self, arrived: list[Sequence], aborts: list[str], abort_all: bool) -> StepInputs:
+        """A step's intake on every rank: the leader shares the requests that arrived (as RequestSpec) and its
+        aborts; a follower gets them to apply (its own arguments are empty)."""
+        return self.share(StepInputs([RequestSpec.of(s) for s in arrived], aborts, abort_all) if self.leader
+                          else None)
 
 
 __all__ = ["Lockstep", "LockstepError", "StepInputs", "RequestSpec", "KEEPALIVE_SECONDS"]
