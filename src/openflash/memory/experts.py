@@ -153,19 +153,10 @@ class ExpertStore:
 
     def _module(self, key: tuple[int, int], tensors: dict[str, torch.Tensor]) -> Expert:
         storage = _STORAGE[self._locations[key]["w1.weight"].dtype]
-        cfg = self.cfg
-        with torch.device("meta"):
-            expert = Expert(cfg.hidden_size, cfg.moe_intermediate_size, storage, cfg.swiglu_limit)
         state = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
         if storage == "float":
             state = {k: v for k, v in state.items() if k.endswith("weight")}
-        expert.load_state_dict(state, assign=True)
-        for module in expert.modules():
-            if hasattr(module, "numerics"):
-                module.numerics = self.numerics
-            if hasattr(module, "keep_dequantized"):
-                module.keep_dequantized = False  # the cache holds stored bytes, never fp32 copies
-        return expert
+        return Expert.detached(self.cfg, storage, state, self.numerics)  # the cache holds stored bytes only
 
     # ---- the ExpertSource protocol ---------------------------------------------------------------------------
     def combine(self, routed: torch.Tensor) -> torch.Tensor:

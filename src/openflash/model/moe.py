@@ -62,6 +62,19 @@ class Expert(nn.Module, NumericsMixin):
         self.w3 = Linear(dim, inter, storage)
         self.limit = limit
 
+    @classmethod
+    def detached(cls, cfg: FlashConfig, storage: str, state: dict[str, torch.Tensor],
+                 numerics: Numerics) -> "Expert":
+        """A routed expert outside any model (memory/experts.py's store): built on `state`'s tensors as they are
+        (stored bytes, on their device), under `numerics`, its linears never caching an fp32 copy."""
+        with torch.device("meta"):
+            expert = cls(cfg.hidden_size, cfg.moe_intermediate_size, storage, cfg.swiglu_limit)
+        expert.load_state_dict(state, assign=True)
+        expert.numerics = numerics
+        for linear in (expert.w1, expert.w2, expert.w3):
+            linear.numerics, linear.keep_dequantized = numerics, False
+        return expert
+
     def forward(self, v: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         return moe_kernels(self.numerics).expert(self, v, weight)
 
