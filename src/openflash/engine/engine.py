@@ -326,16 +326,11 @@ class LLMEngine:
         if not decodes:
             return
         try:
-            if self.runner.drafts:
-                ordered, rounds = self.runner.speculate(decodes)
-                committed = [r.tokens for r in rounds]
-                self.metrics.record_rounds(rounds)
-            else:
-                ordered, logits = self.runner.decode(decodes)
-                committed = [[t] for t in self.next_tokens(logits, ordered)]
+            ordered, committed, rounds = self.runner.decode_step(decodes, self.next_tokens)
         except Exception as exc:
             outputs.extend(self._fail(decodes, exc, "batched decode"))
             return
+        self.metrics.record_rounds(rounds)
         for seq, tokens in zip(ordered, committed):
             for token in tokens:  # a finished sequence drops the rest
                 outputs.append((seq, self._append(seq, token)))

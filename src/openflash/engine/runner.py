@@ -23,7 +23,7 @@ chunk gets the rows of the span positions inside it; the spans are DEAD for the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -225,6 +225,17 @@ class ModelRunner:
         if len(seqs) > 1:
             batch.release()  # each row's cache holds its own references now
         return [None if logits is None else logits[b] for b in range(len(seqs))]
+
+    def decode_step(self, seqs: list[Sequence], sample: Callable[[torch.Tensor, list[Sequence]], list[int]]
+                    ) -> tuple[list[Sequence], list[list[int]], list[Acceptance]]:
+        """One decode step of the running sequences, plain (`sample` picks each row's token from its logits) or a
+        speculative round: the sequences in batch-row order, the tokens each commits, and the rounds (speculation
+        only, else empty)."""
+        if self.drafts:
+            ordered, rounds = self.speculate(seqs)
+            return ordered, [r.tokens for r in rounds], rounds
+        ordered, logits = self.decode(seqs)
+        return ordered, [[t] for t in sample(logits, ordered)], []
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
