@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Collection, Protocol
 
 import torch
 from tokenizers import Tokenizer
@@ -56,6 +56,9 @@ from openflash.memory.rows import EngramTable
 from openflash.memory.tables import PLACEMENTS, open_tables
 from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 class HashedSequences(Protocol):
@@ -168,8 +171,9 @@ class EngramMemory:
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
     def attach(cls, model: torch.nn.Module, placement: str = "device", *, frontend: EngramFrontend | None = None,
-               tokenizer: Tokenizer | None = None, table_dir: str | Path | None = None, cache_bytes: int = 0, io_threads: int = 4, group: Any = None,
-               prefetch: bool = True, checkpoint_dir: str | Path | None = None) -> "EngramMemory":
+               tokenizer: Tokenizer | None = None, table_dir: str | Path | None = None, cache_bytes: int = 0,
+               io_threads: int = 4, group: "dist.ProcessGroup | None" = None, prefetch: bool = True,
+               checkpoint_dir: str | Path | None = None) -> "EngramMemory":
         """The Engram memory of `model` in `placement`; its `prepare` hands rows down to the model's steps.
 
         frontend: the token map and hasher of the model (EngramFrontend.of); without one, built from `tokenizer`
@@ -361,7 +365,7 @@ class EngramMemory:
             self._stats.prefetches += 1
         return _PrefetchedRows(self, hash_ids, time.perf_counter(), rest, spec, covered, choice)
 
-    def _cancel(self, spec: _Speculation, keep: Any) -> None:
+    def _cancel(self, spec: _Speculation, keep: Collection[int]) -> None:
         """Drop the queued gathers of candidates no step will use, so slow storage never builds a backlog of
         stale speculation. Not on a sharded tier: what is cancelled depends on timing, and its ranks must issue
         the same collectives."""

@@ -72,6 +72,7 @@ class CompressedStore(Protocol):
     length: torch.Tensor  # [B] entries written
     partial_kv: torch.Tensor  # [B, ratio, head_dim] compressor inputs of the open group (slot = position % ratio)
     partial_score: torch.Tensor  # [B, ratio, head_dim] their gate scores (-inf = empty)
+    inputs: "InputHistory | None"  # the compressor's raw inputs of the last tokens (rollback room), or None
 
     def write(self, rows: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
         """Store compressed entries: batch row rows[i] gets entry id entries[i]."""
@@ -175,7 +176,7 @@ def concat_inputs(parts: list[InputHistory | None]) -> InputHistory | None:
     return InputHistory.concat(parts)
 
 
-def rollback_compressed(store: Any, ratio: int, to_pos: torch.Tensor) -> None:
+def rollback_compressed(store: CompressedStore, ratio: int, to_pos: torch.Tensor) -> None:
     """The rollback every compressed store shares: entries of incomplete groups dropped, the open group rebuilt."""
     store.length = torch.minimum(store.length, torch.div(to_pos, ratio, rounding_mode="floor"))
     if ratio > 1:

@@ -38,15 +38,17 @@ import logging
 import time
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
+from openflash.model.context import ExpertSource, Probe
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
 from openflash.model.moe import MoE
+from openflash.model.vision import ImageRows
 
 if TYPE_CHECKING:
     from openflash.model.transformer import Transformer
@@ -93,7 +95,8 @@ class DecodeGraph:
         self.graphs = 0  # graphs compiled for them (module doc: one per batch class)
         self.compile_seconds = 0.0  # spent in the steps that compiled one (tracing and code generation)
 
-    def why_not(self, cache: ModelCache, images: Any, probe: Any, hidden: bool, experts: Any) -> str | None:
+    def why_not(self, cache: ModelCache, images: ImageRows | None, probe: Probe | None, hidden: bool,
+                experts: ExpertSource | None) -> str | None:
         """None when the step can run as one graph, else the reason (logged once per reason)."""
         reason = None
         if probe is not None or images is not None or hidden:
