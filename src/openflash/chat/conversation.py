@@ -171,10 +171,7 @@ def check_arguments(arguments: Any, where: str) -> str:
             raise RequestError(f"{where}: not valid JSON ({exc})", param=where) from None
         except RecursionError:  # the parser's own bound, near 1,000 levels
             value = None
-            deep = True
-        else:
-            deep = any(depth > MAX_JSON_DEPTH for _, depth, _ in walk_json(value))
-        if deep:
+        if value is None or any(depth > MAX_JSON_DEPTH for _, depth, _ in walk_json(value)):
             raise RequestError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep", param=where)
     if not isinstance(value, dict):
         raise RequestError(f"{where}: must be a JSON object, got {type(value).__name__}", param=where)

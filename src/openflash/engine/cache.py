@@ -405,6 +405,7 @@ class PackedWindowCache:
     """
 
     storage = "packed"
+    plane_names = ("codes", "scales", "pos")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor) -> None:
         self.codes, self.scales, self.pos = codes, scales, pos  # [B, W, D] u8, [B, W, D/32] u8, [B, W] long

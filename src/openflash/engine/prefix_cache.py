@@ -320,8 +320,7 @@ class PrefixCache:
             if item["window"] is not None:
                 n_layers = len(self.factory.cfg.topology.layers)
                 store = WINDOW_STORES[item["window"]]
-                names = {k.rsplit(".", 1)[1] for k in tensors if k.startswith(f"{p}.w0.")}
-                entry.window = [store.from_planes({n: tensors[f"{p}.w{i}.{n}"] for n in names})
+                entry.window = [store.from_planes({n: tensors[f"{p}.w{i}.{n}"] for n in store.plane_names})
                                 for i in range(n_layers)]
             if item["replay"]:
                 positions = tensors[f"{p}.replay.positions"]

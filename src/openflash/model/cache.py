@@ -43,6 +43,7 @@ class WindowStore(Protocol):
 
     pos: torch.Tensor  # [B, W] long
     storage: str  # "fp32" or "packed" (engine/cache.py KV_STORAGES)
+    plane_names: tuple[str, ...]  # the keys of `planes()`, which `from_planes` reads back
 
     @property
     def kv(self) -> torch.Tensor:
@@ -218,6 +219,7 @@ class WindowCache:
     kv: torch.Tensor  # [B, W, head_dim], QDQ'd values after RoPE
     pos: torch.Tensor  # [B, W] absolute position held by each slot, -1 = empty
     storage = "fp32"
+    plane_names = ("kv", "pos")
 
     def planes(self) -> dict[str, torch.Tensor]:
         return {"kv": self.kv, "pos": self.pos}

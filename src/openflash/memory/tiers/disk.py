@@ -181,13 +181,13 @@ class DiskTable(CountedTable):
             return False
 
     def problem(self) -> str | None:
-        fd = self._fd
+        fd = self._fd  # (read once: close() may clear it from another thread)
+        if fd is None:
+            return f"{self.path}: the table is closed"
         try:
-            size = os.fstat(fd).st_size if fd is not None else None
+            size = os.fstat(fd).st_size
         except OSError as exc:
             return f"{self.path}: {exc.strerror or exc}"
-        if size is None:
-            return f"{self.path}: the table is closed"
         if size != self.header.file_bytes:
             return f"{self.path}: the file has {size} bytes, {self.header.file_bytes} expected (truncated or replaced)"
         return None
