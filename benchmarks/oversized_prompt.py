@@ -63,13 +63,12 @@ def main() -> None:
         start = time.perf_counter()
         one = httpx.post(url, json={"model": "tiny", "prompt": prompt}, timeout=600)
         one_s = time.perf_counter() - start
-        third = prompt[: len(prompt) // 3]
+        body = {"model": "tiny", "prompt": prompt[: len(prompt) // 3]}
         start = time.perf_counter()
         with ThreadPoolExecutor(4) as pool:
-            four = list(pool.map(lambda _: httpx.post(url, json={"model": "tiny", "prompt": third}, timeout=600)
-                                 .status_code, range(4)))
+            four = list(pool.map(lambda _: httpx.post(url, json=body, timeout=600).status_code, range(4)))
         four_s = time.perf_counter() - start
-        del prompt, third
+        del prompt, body["prompt"]
         time.sleep(1)
         result = {"mib": args.mib, "context": args.context, "one_status": one.status_code, "one_seconds": one_s,
                   "four_statuses": four, "four_seconds": four_s, "rss_before_mib": before, "rss_after_mib": rss_mib(),
