@@ -58,6 +58,7 @@ from openflash.memory.table_file import read_table_header, table_file_name, writ
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.engram_table import DeviceTable
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import DEEPSEEK, load_tokenizer
 from openflash.train.tokenizer import iter_text_files, stdlib_source_dir
 
@@ -126,9 +127,12 @@ class Variant:
     pages: str = "warm"  # disk: warm | cold
     cache_fraction: float = 0.0  # disk: row cache per table, as a fraction of its bytes
     k: int = 0  # speculation candidates (0: off)
-    model: Transformer | None = None
-    memory: EngramMemory | None = None
+    runtime: Runtime | None = None  # the model with this variant's Engram memory
     results: dict[str, list[dict]] = field(default_factory=dict)
+
+    @property
+    def memory(self) -> EngramMemory | None:
+        return None if self.runtime is None else self.runtime.memory
 
 
 def make_variants(args: argparse.Namespace) -> list[Variant]:
@@ -148,9 +152,9 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
 
 def build(variant: Variant, backbone: Transformer, no_engram: Transformer, cfg: FlashConfig,
           frontend: EngramFrontend, tables: dict[int, tuple[torch.Tensor, torch.Tensor]], args) -> None:
-    if variant.placement == "none":
-        variant.model = no_engram
-        variant.memory = EngramMemory.attach(no_engram, "device")  # no Engram layers: prepares nothing
+    tokenizer = load_tokenizer(DEEPSEEK)  # the steps read token ids; the runtime's tokenizer is for text
+    if variant.placement == "none":  # no Engram layers: its memory prepares nothing
+        variant.runtime = Runtime(no_engram, tokenizer, EngramMemory.attach(no_engram, "device"))
         return
     model = copy.deepcopy(backbone)
     # The preset-sized model gets the big tables (sharing one copy of their memory) and the big config; building
@@ -160,11 +164,12 @@ def build(variant: Variant, backbone: Transformer, no_engram: Transformer, cfg: 
     model.cfg = cfg
     row_bytes = cfg.engram_head_dim + cfg.engram_head_dim // 32
     cache_bytes = int(variant.cache_fraction * min(cfg.engram_num_embeddings) * row_bytes)
-    variant.model = model
-    # device: the memory gathers from the model's own tables when a layer asks, timed as that layer's wait.
-    variant.memory = EngramMemory.attach(model, variant.placement, frontend=frontend, prefetch=variant.prefetch,
-                                         table_dir=args.table_dir if variant.placement == "disk" else None,
-                                         cache_bytes=cache_bytes, io_threads=args.io_threads)
+    # device: the memory gathers from the model's own tables when a layer asks, timed as that layer's wait. Each
+    # variant's memory is attached here with its own prefetch and row-cache settings (the tiers being measured).
+    memory = EngramMemory.attach(model, variant.placement, frontend=frontend, prefetch=variant.prefetch,
+                                 table_dir=args.table_dir if variant.placement == "disk" else None,
+                                 cache_bytes=cache_bytes, io_threads=args.io_threads)
+    variant.runtime = Runtime(model, tokenizer, memory)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -216,31 +221,30 @@ def decode_run(variant: Variant, stream: torch.Tensor, prompt_len: int, steps: i
     logits: speculation, choosing the token, hashing + prefetch, the step. Tokens: the text's own continuation
     (teacher forcing, so the rows read follow real text), or greedy from the model. Returns (step seconds,
     last logits, mean top-k mass of the speculated distributions)."""
-    model, memory = variant.model, variant.memory
+    rt = variant.runtime
     B = stream.shape[0]
     samplers = [SamplerState.create(SamplingParams(temperature=0.0)) for _ in range(B)]
-    cache = model.new_cache(B)
-    prompt = stream[:, :prompt_len]
-    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
+    cache = rt.new_cache(B)
+    logits = rt.step(stream[:, :prompt_len], cache)
     reset(variant)
     times, mass = [], []
     for t in range(steps):
         start = time.perf_counter()
         if variant.k:
-            memory.speculate(logits, cache, variant.k)
+            rt.speculate(logits, cache, variant.k)
             mass.append(float(logits.softmax(-1).topk(variant.k, dim=-1).values.sum(-1).mean()))
         tokens = sample(logits, samplers)[:, None] if greedy else stream[:, prompt_len + t, None]
-        logits = model.step(tokens, cache, engram=memory.prepare(tokens, cache))
+        logits = rt.step(tokens, cache)
         times.append(time.perf_counter() - start)
     return times, logits, statistics.mean(mass) if mass else None
 
 
 def prefill_run(variant: Variant, prompt: torch.Tensor) -> tuple[float, torch.Tensor]:
-    model, memory = variant.model, variant.memory
-    cache = model.new_cache(prompt.shape[0])
+    rt = variant.runtime
+    cache = rt.new_cache(prompt.shape[0])
     reset(variant)
     start = time.perf_counter()
-    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
+    logits = rt.step(prompt, cache)
     return time.perf_counter() - start, logits
 
 

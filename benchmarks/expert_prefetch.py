@@ -35,7 +35,7 @@ from openflash.checkpoint import load_checkpoint
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import tensor_locations
 from openflash.memory.experts import ROUTED, ExpertStore
-from openflash.memory.placement import EngramMemory
+from openflash.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -65,21 +65,22 @@ def decode(folder: Path, prefetch: bool, cache_fraction: float, ids: torch.Tenso
     total = sum(loc.nbytes for name, loc in tensor_locations(folder).items() if ROUTED.match(name))
     store = ExpertStore(folder, model.cfg, model.numerics, "disk", cache_bytes=max(1, int(cache_fraction * total)),
                         io_threads=8, prefetch=prefetch)
-    memory = EngramMemory.attach(model, "disk" if tables.is_dir() else "device", frontend=report.engram_frontend,
-                                 table_dir=str(tables) if tables.is_dir() else None)
+    rt = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store)
+    if tables.is_dir():
+        rt.place_engram("disk", table_dir=tables, cache_bytes=0)
     drop_page_cache(folder)
-    cache = model.new_cache(1)
-    logits = model.step(ids, cache, engram=memory.prepare(ids, cache), experts=store)
+    cache = rt.new_cache(1)
+    logits = rt.step(ids, cache)
     before = store.summary()
     times, out = [], []
     for _ in range(tokens):
-        token = logits.argmax(-1, keepdim=True)
+        token = logits.argmax(-1)
         start = time.perf_counter()
-        logits = model.step(token, cache, engram=memory.prepare(token, cache), experts=store)
+        logits = rt.decode(token, cache)
         times.append(time.perf_counter() - start)
         out.append(logits)
     s = store.summary()
-    store.close()
+    rt.close()
     misses = s["misses"] - before["misses"]
     prefetched = s["prefetched"] - before["prefetched"]
     reads = s["prefetch_reads"] - before["prefetch_reads"]

@@ -25,6 +25,7 @@ import torch
 from openflash.checkpoint import open_model
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import FP32
+from openflash.runtime import Runtime
 from openflash.tools.plan import build_plan
 
 RESULTS = Path(__file__).parent / "results"
@@ -64,48 +65,48 @@ def attention_flops_per_token(cfg, context: int) -> float:
 
 
 @torch.no_grad()
-def measure(model, memory, ids: torch.Tensor, decode_steps: int) -> tuple[float, float, float]:
+def measure(rt: Runtime, ids: torch.Tensor, decode_steps: int) -> tuple[float, float, float]:
     """(warm-up s: allocations, and compilation on the compiled backend; prefill s; decode s per token)."""
     start = time.perf_counter()
     for length in (32, ids.shape[1]):  # both shapes the timed calls use (a compiled kernel specialises on them)
-        warm = model.new_cache(1)
-        logits = model.step(ids[:, :length], warm, engram=memory.prepare(ids[:, :length], warm))
-        token = logits.argmax(-1)
+        warm = rt.new_cache(1)
+        token = rt.step(ids[:, :length], warm).argmax(-1)
         for _ in range(3):
-            token = model.decode(token, warm, engram=memory.prepare(token.view(-1, 1), warm)).argmax(-1)
+            token = rt.decode(token, warm).argmax(-1)
     warm_s = time.perf_counter() - start
-    cache = model.new_cache(1)
+    cache = rt.new_cache(1)
     start = time.perf_counter()
-    logits = model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))
+    logits = rt.step(ids, cache, mode="exact")
     prefill_s = time.perf_counter() - start
     token = logits.argmax(-1)
     start = time.perf_counter()
     for _ in range(decode_steps):  # a decode step includes its hashing (the engine's cost too)
-        token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
+        token = rt.decode(token, cache).argmax(-1)
     return warm_s, prefill_s, (time.perf_counter() - start) / decode_steps
 
 
 @torch.no_grad()
-def profile_decode(model, memory, ids: torch.Tensor, steps: int, rows: int = 15) -> str:
-    cache = model.new_cache(1)
-    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1)
+def profile_decode(rt: Runtime, ids: torch.Tensor, steps: int, rows: int = 15) -> str:
+    cache = rt.new_cache(1)
+    token = rt.step(ids, cache).argmax(-1)
     for _ in range(3):
-        token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
+        token = rt.decode(token, cache).argmax(-1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            token = model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache)).argmax(-1)
+            token = rt.decode(token, cache).argmax(-1)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 @torch.no_grad()
-def explain_decode(model, memory, ids: torch.Tensor) -> dict:
+def explain_decode(rt: Runtime, ids: torch.Tensor) -> dict:
     """torch._dynamo.explain of the body the compiled backend runs as one graph per decode step
     (`Transformer.static_decode`, model/decode_graph.py): how many graphs it makes, and where it breaks
-    (file:line -> count)."""
+    (file:line -> count). The body is examined on its own, so this supplies the rows the runtime would."""
+    model = rt.model
     model.set_numerics(FP32.with_compile())
-    cache = model.new_cache(1)
-    token = model.step(ids, cache, engram=memory.prepare(ids, cache)).argmax(-1).view(-1, 1)
-    rows = DecodeGraph(model).prepare(cache, memory.prepare(token, cache))
+    cache = rt.new_cache(1)
+    token = rt.step(ids, cache).argmax(-1).view(-1, 1)
+    rows = DecodeGraph(model).prepare(cache, rt.memory.prepare(token, cache))
     out = torch._dynamo.explain(model.static_decode)(token, cache, rows)
     sites = Counter(f"{Path(b.user_stack[-1].filename).name}:{b.user_stack[-1].lineno}" if b.user_stack else "?"
                     for b in out.break_reasons)
@@ -116,30 +117,29 @@ def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth:
           rounds: int, profile: bool = False, explain: bool = False) -> list[dict]:
     """One model (a preset with random weights, or a checkpoint folder), every backend `rounds` times in turn;
     the best round of each is reported (the machine is shared: the minimum is the least disturbed)."""
-    loaded = open_model(name)
-    model, cfg = loaded.model, loaded.model.cfg
-    memory = loaded.memory("device")
+    rt = open_model(name)
+    model, cfg = rt.model, rt.cfg
     plan = build_plan(name)
     ids = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     runs: dict[str, list[tuple[float, float, float]]] = {b: [] for b in backends}
     for _ in range(rounds):
         for backend in backends:
             model.set_numerics(FP32.with_compile(backend == "compiled"))
-            runs[backend].append(measure(model, memory, ids, decode_steps))
+            runs[backend].append(measure(rt, ids, decode_steps))
     # fp32 weights in memory: 4 bytes per active parameter, plus the KV entries one token reads
     decode_bytes = 4 * plan.active_decode_token
     prefill_flops = prompt_len * (2 * plan.active_decode_token + attention_flops_per_token(cfg, prompt_len))
     rows = []
     breaks = None
     if explain:
-        breaks = explain_decode(model, memory, ids[:, :64])
+        breaks = explain_decode(rt, ids[:, :64])
         print(f"== {name}: a whole decode step under torch._dynamo.explain: {breaks['graphs']} graphs, "
               f"{breaks['graph_breaks']} breaks at {breaks['break_sites']}")
     if profile:
         for backend in backends:
             model.set_numerics(FP32.with_compile(backend == "compiled"))
             print(f"== {name}, {backend}: top ops of 10 decode steps (torch.profiler, self CPU time)")
-            print(profile_decode(model, memory, ids[:, :64], 10))
+            print(profile_decode(rt, ids[:, :64], 10))
     for backend, results in runs.items():
         prefill_s = min(r[1] for r in results)
         decode_s = min(r[2] for r in results)

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from openflash.config import load_config
-from openflash.memory.placement import EngramMemory
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results"
 GROUPED = dataclasses.replace(FP32, name="fp32-per-expert", batched_experts=False)
@@ -47,18 +47,18 @@ class MoeClock:
         self.seconds += time.perf_counter() - self._start
 
 
-def time_steps(model, memory, clock: MoeClock, batch: int, steps: int) -> tuple[float, float]:
+def time_steps(rt: Runtime, clock: MoeClock, batch: int, steps: int) -> tuple[float, float]:
     """Median ms of a decode step after a 64-token prompt (a fresh cache per call of this function), and the mean
     ms of it spent in the MoE sublayers."""
-    cache = model.new_cache(batch)
-    ids = torch.randint(3, model.cfg.vocab_size - 1, (batch, 64), generator=torch.Generator().manual_seed(batch))
-    model.step(ids, cache, engram=memory.prepare(ids, cache))
+    cache = rt.new_cache(batch)
+    ids = torch.randint(3, rt.cfg.vocab_size - 1, (batch, 64), generator=torch.Generator().manual_seed(batch))
+    rt.step(ids, cache)
     token = ids[:, -1]
     times = []
     clock.seconds = 0.0
     for _ in range(steps):
         begin = time.perf_counter()
-        model.decode(token, cache, engram=memory.prepare(token.view(-1, 1), cache))
+        rt.decode(token, cache)
         times.append(time.perf_counter() - begin)
     return 1000 * statistics.median(times[2:]), 1000 * clock.seconds / steps
 
@@ -75,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Transformer(load_config(args.preset)).eval()
-    memory = EngramMemory.attach(model, "device")
+    rt = Runtime.of(model)
     clock = MoeClock(model)
     results = []
     for batch in args.batches:
@@ -84,7 +84,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, numerics in (("batched", FP32), ("per_expert", GROUPED)):
                 model.set_numerics(numerics)
-                step, in_moe = time_steps(model, memory, clock, batch, args.steps)
+                step, in_moe = time_steps(rt, clock, batch, args.steps)
                 ms[name].append(step)
                 moe[name].append(in_moe)
         row = {"batch": batch, **{f"{k}_ms": statistics.median(v) for k, v in ms.items()},

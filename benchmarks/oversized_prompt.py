@@ -43,8 +43,7 @@ def main() -> None:
         parser.error("--mib must be >= 1 and --context >= 2")
     torch.set_num_threads(1)
     loaded = open_model("tiny", numerics="plain")
-    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=4, max_context=args.context),
-                       loaded.memory())
+    engine = LLMEngine(loaded, EngineConfig(max_batch=4, max_context=args.context))
     app = build_app(engine, loaded.tokenizer, ServerConfig("tiny", chat_format(loaded.tokenizer, 0, 1)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

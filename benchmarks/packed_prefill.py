@@ -30,22 +30,23 @@ from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.model.numerics import FP32
+from openflash.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results" / "packed_prefill.json"
 
 
 @torch.no_grad()
-def call_cost(model, memory, sizes: list[int], rounds: int) -> dict:
+def call_cost(rt: Runtime, sizes: list[int], rounds: int) -> dict:
     """Median seconds of a one-row prefill call of each size, and the fitted line (fixed s, s per token)."""
     g = torch.Generator().manual_seed(0)
     medians = {}
     for s in sizes:
         times = []
         for _ in range(rounds + 1):  # the first one warms up
-            ids = torch.randint(3, model.cfg.vocab_size, (1, s), generator=g)
-            cache = model.new_cache(1)
+            ids = torch.randint(3, rt.cfg.vocab_size, (1, s), generator=g)
+            cache = rt.new_cache(1)
             start = time.perf_counter()
-            model.step(ids, cache, mode="bounded", engram=memory.prepare(ids, cache))
+            rt.step(ids, cache, mode="bounded")
             times.append(time.perf_counter() - start)
         medians[s] = statistics.median(times[1:])
     xs, ys = list(medians), list(medians.values())
@@ -54,10 +55,10 @@ def call_cost(model, memory, sizes: list[int], rounds: int) -> dict:
     return {"seconds_by_tokens": medians, "fixed_s": my - slope * mx, "per_token_s": slope}
 
 
-def burst(model, tok, prompts: list[list[int]], padding: float) -> tuple[float, int, list[int]]:
+def burst(rt: Runtime, prompts: list[list[int]], padding: float) -> tuple[float, int, list[int]]:
     """Wall seconds to prefill every prompt (one token generated each), prefill calls, the first tokens."""
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=len(prompts), max_context=4096, prefill_chunk=128,
-                                                max_step_tokens=8192, prefix_cache=False, prefill_padding=padding))
+    engine = LLMEngine(rt, EngineConfig(max_batch=len(prompts), max_context=4096, prefill_chunk=128,
+                                        max_step_tokens=8192, prefix_cache=False, prefill_padding=padding))
     start = time.perf_counter()
     seqs = engine.generate(prompts, SamplingParams(max_tokens=1), ignore_eos=True)
     return time.perf_counter() - start, engine.runner.prefill_calls, [s.output_ids[0] for s in seqs]
@@ -87,21 +88,21 @@ def main() -> None:
                      "runs": []}
     print(f"{args.prompts} prompts of {lo}-{hi} tokens ({sum(lengths)} in all): {lengths}")
     for preset in args.presets:
-        loaded = open_model(preset)
-        model, tok = loaded.model, loaded.tokenizer
+        rt = open_model(preset)
+        model = rt.model
         for backend in args.backends:
             model.set_numerics(FP32.with_compile(backend == "compiled"))
-            cost = call_cost(model, loaded.memory("device"), [8, 16, 32, 64, 96, 128], args.rounds)
+            cost = call_cost(rt, [8, 16, 32, 64, 96, 128], args.rounds)
             print(f"== {preset} ({backend}): a prefill call costs {cost['fixed_s'] * 1e3:.1f} ms + "
                   f"{cost['per_token_s'] * 1e3:.3f} ms per token "
                   f"(= {cost['fixed_s'] / cost['per_token_s']:.0f} tokens)")
             for padding in args.paddings:  # warm-up: every shape each variant will run
-                burst(model, tok, prompts, padding)
+                burst(rt, prompts, padding)
             walls: dict[float, list[float]] = {p: [] for p in args.paddings}
             calls, firsts = {}, {}
             for _ in range(args.rounds):
                 for padding in args.paddings:
-                    wall, calls[padding], firsts[padding] = burst(model, tok, prompts, padding)
+                    wall, calls[padding], firsts[padding] = burst(rt, prompts, padding)
                     walls[padding].append(wall)
             base = statistics.median(walls[args.paddings[0]])
             for padding in args.paddings:

@@ -34,8 +34,8 @@ import torch
 from openflash.checkpoint import load_checkpoint, resident_bytes
 from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
-from openflash.memory.placement import EngramMemory
 from openflash.model.layers import Linear
+from openflash.runtime import Runtime
 from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
 from openflash.tools.synth import cut_config, synthesize
 
@@ -100,27 +100,27 @@ def main() -> None:
     budget = int(args.budget_gib * GiB)
     cache = max(0, budget - dense_resident - 2 * GiB)  # 2 GiB for work buffers, the runtime and the Engram tier
     store = ExpertStore(folder, model.cfg, model.numerics, "disk", cache_bytes=cache, io_threads=8)
-    memory = EngramMemory.attach(model, "disk", frontend=report.engram_frontend,
-                                 table_dir=str(folder / "engram_tables"), cache_bytes=64 << 20)
+    rt = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, folder=folder)
+    rt.place_engram("disk", cache_bytes=64 << 20)  # the folder's engram_tables/
     print(f"dense weights resident {dense_resident / GiB:.2f} GiB; expert cache {cache / GiB:.2f} GiB; budget "
           f"{budget / GiB:.1f} GiB", flush=True)
 
     ids = torch.tensor([prompt_ids(report.tokenizer, args.prompt_tokens)])
-    cache_kv = model.new_cache(1)
+    cache_kv = rt.new_cache(1)
     t = time.perf_counter()
-    logits = model.step(ids, cache_kv, engram=memory.prepare(ids, cache_kv), experts=store)
+    logits = rt.step(ids, cache_kv)
     prefill_s = time.perf_counter() - t
     after_prefill = store.summary()
     times = []
     for _ in range(args.tokens):
-        token = logits.argmax(-1, keepdim=True)
+        token = logits.argmax(-1)
         t = time.perf_counter()
-        logits = model.step(token, cache_kv, engram=memory.prepare(token, cache_kv), experts=store)
+        logits = rt.decode(token, cache_kv)
         times.append(time.perf_counter() - t)
     s = store.summary()
     decode_lookups = (s["hits"] - after_prefill["hits"]) + (s["misses"] - after_prefill["misses"])
     expert_bytes = (s["bytes_read"] - after_prefill["bytes_read"]) / args.tokens
-    engram = memory.stats()
+    engram = rt.stats()["engram"]
     # Dense bytes a decode token reads from RAM: every stored non-expert weight but the embedding (one row).
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() + (m.scale.numel() if m.quantized else 0)
                        for m in model.modules() if isinstance(m, Linear) and not m.weight.is_meta)

@@ -45,6 +45,7 @@ from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.model.numerics import FP32
+from openflash.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
 
@@ -102,14 +103,15 @@ def closed_loop(engine: LLMEngine, clients: int, requests: int, prompt_len: int 
             "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
 
 
-def bench_concurrency(model, tok, levels: list[int], prompt_len: int | tuple[int, int], max_tokens: int,
+def bench_concurrency(rt: Runtime, levels: list[int], prompt_len: int | tuple[int, int], max_tokens: int,
                       prefill_batches: list[int], step_tokens: list[int], backends: list[str],
                       paddings: list[float]) -> tuple[list[dict], dict]:
     """Each level run on one engine per (backend, prefill_batch, max_step_tokens, prefill_padding), back to back
     (variants side by side); the model's numerics switch to each engine's backend before it runs. Returns the rows
     and, per backend, the warm-up's seconds and decode graphs (compiled backend)."""
     numerics = {"eager": FP32, "compiled": FP32.with_compile()}
-    engines = {(be, b, st, pad): LLMEngine(model, tok, EngineConfig(
+    model = rt.model
+    engines = {(be, b, st, pad): LLMEngine(rt, EngineConfig(
         max_batch=max(levels), max_context=4096, prefill_chunk=128, max_step_tokens=st, prefix_cache=False,
         prefill_batch=b, prefill_padding=pad))
         for be in backends for b in prefill_batches for st in step_tokens for pad in paddings}
@@ -126,7 +128,7 @@ def bench_concurrency(model, tok, levels: list[int], prompt_len: int | tuple[int
                 closed_loop(engine, c, c, prompt_len, 4, seed=10_000 + c)
             seconds = time.perf_counter() - start
             warm.setdefault(be, {"seconds": 0.0})["seconds"] += seconds
-            warm[be]["decode_graph"] = model.decode_graph_stats()
+            warm[be]["decode_graph"] = rt.stats()["decode_graph"]
             print(f"  warm-up ({be}): {seconds:.1f} s, decode graph {warm[be]['decode_graph']}", flush=True)
         rows = []
         for c in levels:
@@ -155,7 +157,7 @@ def run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int):
     return seq
 
 
-def bench_shared_prefix(model, tok, system_len: int, question_len: int, requests: int, chunk: int) -> dict:
+def bench_shared_prefix(rt: Runtime, system_len: int, question_len: int, requests: int, chunk: int) -> dict:
     system = random_prompt(system_len, 7)
     prompts = [system + random_prompt(question_len, 100 + i) for i in range(requests)]
     out = {"system_tokens": system_len, "question_tokens": question_len, "requests": requests, "prefill_chunk": chunk}
@@ -164,7 +166,7 @@ def bench_shared_prefix(model, tok, system_len: int, question_len: int, requests
                 "with_prefix_cache": dict(prefix_cache=True, prefix_restore="snapshot"),
                 "with_prefix_cache_replay": dict(prefix_cache=True, prefix_restore="replay")}
     for key, options in variants.items():
-        engine = LLMEngine(model, tok, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
+        engine = LLMEngine(rt, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
                                                     **options))
         engine.start()
         try:
@@ -189,11 +191,11 @@ def bench_shared_prefix(model, tok, system_len: int, question_len: int, requests
     return out
 
 
-def bench_prefill_modes(model, tok, prompt_len: int, repeats: int, chunk: int) -> dict:
-    out = {"prompt_tokens": prompt_len, "sliding_window": model.cfg.sliding_window}
+def bench_prefill_modes(rt: Runtime, prompt_len: int, repeats: int, chunk: int) -> dict:
+    out = {"prompt_tokens": prompt_len, "sliding_window": rt.cfg.sliding_window}
     firsts = {}
     for mode in ("bounded", "exact"):
-        engine = LLMEngine(model, tok, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
+        engine = LLMEngine(rt, EngineConfig(max_context=8192, prefill_chunk=chunk, max_step_tokens=chunk,
                                                     prefill_mode=mode, prefix_cache=False))
         engine.start()
         try:
@@ -331,10 +333,9 @@ def main() -> None:
                      "presets": {}}
     for preset in args.presets:
         print(f"== {preset}", flush=True)
-        loaded = open_model(preset)
-        model, tok = loaded.model, loaded.tokenizer
+        rt = open_model(preset)
         r: dict = {}
-        r["concurrency"], r["warm_up"] = bench_concurrency(model, tok, args.levels, prompt_len,
+        r["concurrency"], r["warm_up"] = bench_concurrency(rt, args.levels, prompt_len,
                                                            args.max_tokens, args.prefill_batch, args.step_tokens,
                                                            args.backends, args.prefill_padding)
         main_rows = [x for x in r["concurrency"] if x["prefill_batch"] == args.prefill_batch[-1]
@@ -347,10 +348,10 @@ def main() -> None:
         results["presets"][preset] = r
         if args.concurrency_only:
             continue
-        r["shared_prefix"] = bench_shared_prefix(model, tok, args.system_len, 16, 5, 256)
+        r["shared_prefix"] = bench_shared_prefix(rt, args.system_len, 16, 5, 256)
         sp = r["shared_prefix"]
         print(f"  shared prefix: TTFT x{sp['ttft_speedup']:.1f} (replay x{sp['ttft_speedup_replay']:.1f})", flush=True)
-        r["prefill_modes"] = bench_prefill_modes(model, tok, args.long_prompt, 3, 256)
+        r["prefill_modes"] = bench_prefill_modes(rt, args.long_prompt, 3, 256)
         print(f"  bounded vs exact prefill: x{r['prefill_modes']['speedup']:.2f}", flush=True)
     if not args.skip_http:
         print("== http (tiny, openflash serve)", flush=True)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import load_checkpoint
+from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
+from openflash.runtime import Runtime
 from openflash.tools.demo import PROMPTS
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,10 +42,10 @@ def _decode_rate(seqs, batch: int) -> float:
     return tokens / (max(s.token_times[-1] for s in seqs) - min(s.token_times[0] for s in seqs))
 
 
-def run(model, tok, prompts, batch: int, max_tokens: int, speculative: bool, k: int | None) -> dict:
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=batch, prefix_cache=False,
-                                                speculative="dspark" if speculative else None,
-                                                num_speculative_tokens=k if speculative else None))
+def run(rt: Runtime, prompts, batch: int, max_tokens: int, speculative: bool, k: int | None) -> dict:
+    engine = LLMEngine(rt, EngineConfig(max_batch=batch, prefix_cache=False,
+                                        speculative="dspark" if speculative else None,
+                                        num_speculative_tokens=k if speculative else None))
     begin = time.perf_counter()
     seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens), ignore_eos=True)
     m = engine.metrics
@@ -57,16 +58,13 @@ def run(model, tok, prompts, batch: int, max_tokens: int, speculative: bool, k: 
     return out
 
 
-def part_costs(model, tok, prompt: list[int], k: int, repeats: int = 20) -> dict:
+def part_costs(rt: Runtime, prompt: list[int], k: int, repeats: int = 20) -> dict:
     """Median milliseconds, batch 1, after the prompt: one plain decode step, one verify step of k + 1 tokens, one
     draft call (a cache copy per call, so every call starts from the same state)."""
-    from openflash.memory.placement import EngramMemory
     from openflash.model.transformer import TargetHidden
 
-    memory = EngramMemory.attach(model, "device", tokenizer=tok)
-    base = model.new_cache(spare=k + 1)
-    ids = torch.tensor([prompt])
-    _, hidden = model.step_hidden(ids, base, engram=memory.prepare(ids, base))
+    base = rt.new_cache(spare=k + 1)
+    _, hidden = rt.step_hidden(torch.tensor([prompt]), base)
     last = TargetHidden(hidden.values[:, -1:], hidden.positions[:, -1:])
 
     def timed(fn) -> float:
@@ -79,12 +77,11 @@ def part_costs(model, tok, prompt: list[int], k: int, repeats: int = 20) -> dict
         return 1000 * statistics.median(times)
 
     def verify(cache, n):
-        block = torch.full((1, n), 5)
-        model.step(block, cache, engram=memory.prepare(block, cache), all_logits=True)
+        rt.step(torch.full((1, n), 5), cache, all_logits=True)
 
     anchor = torch.tensor([5])
     return {"decode_step_ms": timed(lambda c: verify(c, 1)), "verify_step_ms": timed(lambda c: verify(c, k + 1)),
-            "draft_ms": timed(lambda c: model.draft(anchor, last, c, lambda logits, i: logits.argmax(-1)))}
+            "draft_ms": timed(lambda c: rt.model.draft(anchor, last, c, lambda logits, i: logits.argmax(-1)))}
 
 
 def main() -> None:
@@ -110,10 +107,10 @@ def main() -> None:
         print(f"trained a drafter for {args.init}: {summary['steps']} steps, greedy agreement "
               f"{summary['first']['greedy_agreement']:.2f} -> {summary['last']['greedy_agreement']:.2f}")
         args.model = scratch.name
-    model, report = load_checkpoint(args.model)
-    if model.cfg.dspark is None:
+    rt = open_model(args.model, weights="dequantized")
+    if rt.cfg.dspark is None:
         sys.exit(f"{args.model} has no DSpark head (train one: openflash train --dspark --init RUN --out DIR)")
-    tok = report.tokenizer
+    tok = rt.tokenizer
     all_prompts = [tok.encode(p).ids for p in PROMPTS + EXTRA_PROMPTS]
     results = []
     for batch in args.batches:
@@ -121,7 +118,7 @@ def main() -> None:
         runs = {"plain": [], "speculative": []}
         for _ in range(args.rounds):  # alternate, so that drift on a shared machine hits both alike
             for name in runs:
-                runs[name].append(run(model, tok, prompts, batch, args.max_tokens, name == "speculative",
+                runs[name].append(run(rt, prompts, batch, args.max_tokens, name == "speculative",
                                       args.num_speculative_tokens))
         same = all(r["outputs"] == runs["plain"][0]["outputs"] for r in runs["plain"] + runs["speculative"])
         spec = runs["speculative"][-1]
@@ -137,7 +134,7 @@ def main() -> None:
               f"{row['acceptance_length']:.2f} tokens per verification, accepted by position "
               + ", ".join(f"{p}: {v:.2f}" for p, v in row["accepted_at_position"].items())
               + f"; identical outputs: {same}")
-    costs = part_costs(model, tok, all_prompts[0], args.num_speculative_tokens or model.cfg.dspark.block_size)
+    costs = part_costs(rt, all_prompts[0], args.num_speculative_tokens or rt.cfg.dspark.block_size)
     print("batch 1 costs: plain decode step {decode_step_ms:.1f} ms, verify step {verify_step_ms:.1f} ms, "
           "draft {draft_ms:.1f} ms".format(**costs))
     args.out.parent.mkdir(parents=True, exist_ok=True)

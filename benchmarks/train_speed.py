@@ -23,8 +23,8 @@ import torch
 
 from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
-from openflash.memory.placement import EngramMemory
 from openflash.model.numerics import TRAIN
+from openflash.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
                                    update_router_bias)
@@ -72,12 +72,12 @@ def attention_flops_per_token(cfg: FlashConfig, seq_len: int) -> float:
     return total / seq_len
 
 
-def _train_step(model, memory, opt, params, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+def _train_step(rt: Runtime, opt, params, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
     """One full training step (as the trainer runs it); (forward, backward, optimizer) seconds."""
+    model = rt.model
     t0 = time.perf_counter()
-    engram = memory.prefetch_batch(x)
     opt.zero_grad()
-    out = model(x, y, engram=engram)
+    out = rt.forward(x, y)
     t1 = time.perf_counter()
     (out.loss + 0.01 * out.indexer_loss).backward()
     t2 = time.perf_counter()
@@ -91,12 +91,13 @@ def _train_step(model, memory, opt, params, x: torch.Tensor, y: torch.Tensor) ->
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
-def _loss_grads_loads(model, memory, x: torch.Tensor,
+def _loss_grads_loads(rt: Runtime, x: torch.Tensor,
                       y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     """The objective, every gradient and the per-expert token counts of one forward and backward."""
+    model = rt.model
     model.zero_grad(set_to_none=True)
     reset_expert_loads(model)
-    out = model(x, y, engram=memory.prefetch_batch(x))
+    out = rt.forward(x, y)
     objective = out.loss + 0.01 * out.indexer_loss
     objective.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -125,7 +126,7 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: li
     torch.manual_seed(0)
     cfg = load_config(preset).replace(weight_dtype="fp32", expert_dtype="fp32")
     model = build_model(cfg, "train").train()
-    memory = EngramMemory.attach(model, "device", tokenizer=preset_tokenizer(cfg))
+    rt = Runtime.of(model, preset_tokenizer(cfg))
     opt = TrainOptimizer(model, OptimConfig(lr=1e-3))
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +137,7 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: li
         model.set_numerics(numerics[b])
         start = time.perf_counter()
         for i in range(2):
-            _train_step(model, memory, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
+            _train_step(rt, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
         warmup[b] = time.perf_counter() - start
     parity = None
     if len(backends) > 1:  # the same weights and batch through each backend
@@ -144,13 +145,13 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: li
         results = []
         for b in backends:
             model.set_numerics(numerics[b])
-            results.append(_loss_grads_loads(model, memory, x, y))
+            results.append(_loss_grads_loads(rt, x, y))
         parity = backend_parity(*results)
     times = {b: {"forward": [], "backward": [], "optimizer": [], "step": []} for b in backends}
     for i in range(2, steps + 2):
         for b in backends:
             model.set_numerics(numerics[b])
-            f, bw, o = _train_step(model, memory, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
+            f, bw, o = _train_step(rt, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
             for key, value in zip(times[b], (f, bw, o, f + bw + o)):
                 times[b][key].append(value)
     if profile:
@@ -158,7 +159,7 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, backends: li
             model.set_numerics(numerics[b])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for i in range(2):
-                    _train_step(model, memory, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
+                    _train_step(rt, opt, params, tokens[i, :, :-1], tokens[i, :, 1:])
             print(f"{preset} {b}: top ops of 2 training steps by self CPU time")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
     tokens_per_step = batch * seq_len

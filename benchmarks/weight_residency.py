@@ -20,24 +20,23 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import load_checkpoint, resident_bytes
-from openflash.memory.placement import EngramMemory
+from openflash.checkpoint import open_model, resident_bytes
+from openflash.runtime import Runtime
 from openflash.tools.synth import synthesize
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def timed(model, report, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
-    cache = model.new_cache(1)
+def timed(rt: Runtime, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+    cache = rt.new_cache(1)
     start = time.perf_counter()
-    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
+    logits = rt.step(prompt, cache)
     prefill = time.perf_counter() - start
     times = []
     for _ in range(steps):
-        token = logits.argmax(-1, keepdim=True)
+        token = logits.argmax(-1)
         start = time.perf_counter()
-        logits = model.step(token, cache, engram=memory.prepare(token, cache))
+        logits = rt.decode(token, cache)
         times.append(time.perf_counter() - start)
     return prompt.shape[1] / prefill, 1000 * statistics.median(times)
 
@@ -57,16 +56,16 @@ def main() -> None:
                  f"released width, {args.layers} layers x {args.experts} experts":
                      synthesize("flash", Path(tmp) / "b", layers=args.layers, experts=args.experts, vision=False)}
         for name, report in cases.items():
-            models = {w: load_checkpoint(report.folder, weights=w) for w in ("dequantized", "stored")}
-            vocab = models["stored"][0].cfg.vocab_size
+            models = {w: open_model(str(report.folder), weights=w) for w in ("dequantized", "stored")}
+            vocab = models["stored"].cfg.vocab_size
             prompt = torch.randint(3, min(vocab, 4000), (1, args.prompt), generator=torch.Generator().manual_seed(0))
             runs: dict[str, list] = {w: [] for w in models}
             for _ in range(args.rounds):
-                for w, (model, load) in models.items():
-                    runs[w].append(timed(model, load, prompt, args.steps))
+                for w, rt in models.items():
+                    runs[w].append(timed(rt, prompt, args.steps))
             results[name] = {w: {"prefill_tokens_per_s": [round(r[0], 1) for r in rs],
                                  "decode_ms": [round(r[1], 1) for r in rs],
-                                 "resident_bytes": resident_bytes(models[w][0]),
+                                 "resident_bytes": resident_bytes(models[w].model),
                                  "checkpoint_bytes": report.logical_bytes} for w, rs in runs.items()}
             for w, r in results[name].items():
                 print(f"{name:<42} {w:<12} decode {min(r['decode_ms']):8.1f}-{max(r['decode_ms']):8.1f} ms/token, "

@@ -31,36 +31,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine_model():
-    """The tiny preset with random weights and no quantization, with its tokenizer: (model, tokenizer)."""
-    loaded = open_model("tiny", numerics="plain")
-    return loaded.model, loaded.tokenizer
-
-
-class WithEngram:
-    """A model with its Engram memory (the `device` tier unless given), called as a caller calls it: every step,
-    decode and training forward gets the rows its memory prepared from the same token ids. Everything else is the
-    model's own (`cfg`, `new_cache`, parameters, ...)."""
-
-    def __init__(self, model, memory=None) -> None:
-        from openflash.memory.placement import EngramMemory
-
-        self.model = model
-        self.memory = memory if memory is not None else EngramMemory.attach(model, "device")
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def step(self, ids, cache, **kwargs):
-        ids = ids.unsqueeze(1) if ids.dim() == 1 else ids
-        return self.model.step(ids, cache, engram=self.memory.prepare(ids, cache), **kwargs)
-
-    def decode(self, ids, cache, **kwargs):
-        ids = ids.reshape(-1, 1)
-        return self.model.decode(ids, cache, engram=self.memory.prepare(ids, cache), **kwargs)
-
-    def __call__(self, ids, targets=None, **kwargs):
-        return self.model(ids, targets, engram=self.memory.prefetch_batch(ids), **kwargs)
+def tiny_runtime():
+    """The tiny preset with random weights and no quantization: its Runtime (model, tokenizer, Engram memory)."""
+    return open_model("tiny", numerics="plain")
 
 
 def wait_for_health(url: str, proc: subprocess.Popen, seconds: float) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WithEngram
 from safetensors.torch import load_file, save_file
 
-from openflash.checkpoint import count_by_dtype, load_checkpoint, save_checkpoint
+from openflash.checkpoint import count_by_dtype, load_checkpoint, open_model, save_checkpoint
 from openflash.config import load_config
 from openflash.errors import CheckpointError
 from openflash.model.numerics import PLAIN
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 
@@ -88,7 +88,7 @@ def test_fp32_round_trip_is_exact_and_sharded(tmp_path):
     assert (tmp_path / "many" / "model.safetensors.index.json").exists()
     ids = torch.randint(3, cfg.vocab_size, (1, 20))
     with torch.no_grad():
-        want = WithEngram(model)(ids).logits
+        want = Runtime.of(model).forward(ids).logits
     for name in ("one", "many"):
         loaded, _ = load_checkpoint(tmp_path / name, numerics="plain")
         # What the round trip guarantees: every stored tensor comes back bit for bit.
@@ -100,7 +100,7 @@ def test_fp32_round_trip_is_exact_and_sharded(tmp_path):
         # aligned), and the BLAS may pick another kernel for them, moving the last bits (seen on AVX2 machines).
         # Identical weights leave only fp32 summation-order differences: ~1e-6 relative over 128-wide dots.
         with torch.no_grad():
-            torch.testing.assert_close(WithEngram(loaded)(ids).logits, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(Runtime.of(loaded).forward(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_save_uses_official_layout_and_loads(tmp_path):
@@ -115,7 +115,7 @@ def test_fp8_save_uses_official_layout_and_loads(tmp_path):
     assert loaded.layers[0].ffn.experts[0].w1.weight.dtype == torch.int8
     ids = torch.randint(3, 1024, (1, 12))
     with torch.no_grad():
-        assert torch.isfinite(WithEngram(loaded)(ids).logits).all()
+        assert torch.isfinite(Runtime.of(loaded).forward(ids).logits).all()
     # Stored weights are the originals to within the formats' precision (FP8: 2^-4 relative, FP4: 1/4 of a block max)
     original, stored = model.layers[2].attn.wq_a.weight, loaded.layers[2].attn.wq_a.dequantized_weight()
     assert ((stored - original).abs() <= original.abs() * 2**-4 + 1e-6).all()
@@ -136,13 +136,11 @@ def test_engram_tables_can_be_left_to_an_external_tier():
     assert model.layers[0].engram.embed.weight.is_meta
     assert "engram tables (left for an external tier)" in report.summary()
     memory = EngramMemory.attach(model, "host", frontend=report.engram_frontend, checkpoint_dir=GOLDEN_A)
-    full, full_report = load_checkpoint(GOLDEN_A)
-    full_memory = EngramMemory.attach(full, "device", frontend=full_report.engram_frontend)
+    hosted, full = Runtime(model, report.tokenizer, memory), open_model(str(GOLDEN_A), weights="dequantized")
     ids = torch.tensor(json.loads((GOLDEN_A / "inputs.json").read_text())["input_ids"])
-    a, b = model.new_cache(1), full.new_cache(1)
     # Two model instances: same rows and weights, but separately placed tensors (see the fp32 round trip above).
-    torch.testing.assert_close(model.step(ids, a, engram=memory.prepare(ids, a)),
-                               full.step(ids, b, engram=full_memory.prepare(ids, b)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hosted.step(ids, hosted.new_cache(1)), full.step(ids, full.new_cache(1)), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors", "link.safetensors"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.checkpoint import load_checkpoint
+from openflash.checkpoint import load_checkpoint, open_model
 from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.engine.generate import generate
@@ -21,6 +21,7 @@ from openflash.errors import CheckpointError, ConfigError
 from openflash.memory.tokenmap import TOKEN_MAP_FILES
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
@@ -122,13 +123,13 @@ def test_engram_in_the_decoder_half_prefills_exact(caplog):
     assert not cfg.topology.bounded_replay_ok
     tok = preset_tokenizer(cfg)
     torch.manual_seed(0)
-    model = Transformer(cfg).set_numerics(NUMERICS["plain"]).eval()
+    rt = Runtime.of(Transformer(cfg).set_numerics(NUMERICS["plain"]).eval(), tok)
     params = SamplingParams(max_tokens=4, temperature=0)
     prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
     with caplog.at_level(logging.INFO, logger="openflash.model"):
-        bounded = generate(model, tok, prompt, params, mode="bounded", prefill_chunk=8)
-        generate(model, tok, prompt, params, mode="bounded", prefill_chunk=8)
-    exact = generate(model, tok, prompt, params, mode="exact", prefill_chunk=8)
+        bounded = generate(rt, prompt, params, mode="bounded", prefill_chunk=8)
+        generate(rt, prompt, params, mode="bounded", prefill_chunk=8)
+    exact = generate(rt, prompt, params, mode="exact", prefill_chunk=8)
     assert bounded.token_ids == exact.token_ids
     notes = [r for r in caplog.records if "bounded prefill runs exact" in r.message]
     assert len(notes) == 1  # said once
@@ -140,12 +141,12 @@ def test_engram_in_the_decoder_half_through_the_engine():
     cfg = load_config("tiny").replace(engram_layer_ids=[1, 5])
     tok = preset_tokenizer(cfg)
     torch.manual_seed(0)
-    model = Transformer(cfg).set_numerics(NUMERICS["plain"]).eval()
+    rt = Runtime.of(Transformer(cfg).set_numerics(NUMERICS["plain"]).eval(), tok)
     prompt = tok.encode("import os\nimport sys\n" * 8).ids
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, max_context=256, prefill_mode="bounded",
+    engine = LLMEngine(rt, EngineConfig(max_batch=2, max_context=256, prefill_mode="bounded",
                                                 prefill_chunk=16))
     out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
-    want = generate(model, tok, prompt, SamplingParams(max_tokens=3, temperature=0), mode="exact")
+    want = generate(rt, prompt, SamplingParams(max_tokens=3, temperature=0), mode="exact")
     assert out.output_ids == want.token_ids
 
 
@@ -219,8 +220,7 @@ def test_generate_from_token_ids_with_numerics_and_prefill_mode(capsys):
     assert cli_main(["generate", "--model", str(GOLDEN_A), "--prompt-ids", "0, 5,17 300,41,9", "--numerics",
                      "reference", "--prefill", "exact", "--max-tokens", "3"]) == 0
     printed = capsys.readouterr().out
-    model, report = load_checkpoint(GOLDEN_A, numerics="reference")
-    want = generate(model, report.tokenizer, ids, SamplingParams(max_tokens=3), mode="exact")
+    want = generate(open_model(str(GOLDEN_A), numerics="reference"), ids, SamplingParams(max_tokens=3), mode="exact")
     assert f"# generated ids: {want.token_ids}" in printed
     with pytest.raises(SystemExit, match="2"):
         cli_main(["generate", "--model", str(GOLDEN_A), "--prompt-ids", "5,x"])

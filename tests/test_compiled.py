@@ -37,12 +37,11 @@ CAPACITY_TOKENS = 16  # the smallest compressed capacity a decode graph is built
 
 @pytest.fixture(scope="module")
 def compiled_tiny():
-    """(compiled, eager): the tiny preset (plain numerics, the same seed-0 weights) on the compiled backend and on
-    the eager one, each with its tokenizer and Engram memory."""
+    """(compiled, eager): runtimes of the tiny preset (plain numerics, the same seed-0 weights) on the compiled
+    backend and on the eager one."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_graph, "CAPACITY_TOKENS", CAPACITY_TOKENS)
-        compiled, eager = open_model("tiny", numerics="plain", compile=True), open_model("tiny", numerics="plain")
-        yield (compiled.model, compiled.tokenizer, compiled.memory()), (eager.model, eager.tokenizer, eager.memory())
+        yield open_model("tiny", numerics="plain", compile=True), open_model("tiny", numerics="plain")
 
 
 @needs_cxx
@@ -51,11 +50,11 @@ def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(compiled_t
     the prefill kernels and the decode graph through inductor give the eager greedy tokens, with no graph break;
     the growing sizes are symbolic, so the graphs compiled are the first batch size's and then one for any other
     (without them symbolic, the table widening and the pool doubling would recompile too)."""
-    (model, tok, _), (eager, eager_tok, _) = compiled_tiny
+    rt, eager = compiled_tiny
     prompts = [[5 + i] * n for i, n in enumerate((7, 12, 12, 14))]
     params = SamplingParams(max_tokens=12)
-    want = [generate(eager, eager_tok, p, params).token_ids for p in prompts]
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, kv_block_size=1))
+    want = [generate(eager, p, params).token_ids for p in prompts]
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, kv_block_size=1))
     torch._dynamo.utils.counters.clear()
     assert [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)] == want
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
@@ -99,9 +98,8 @@ def test_open_model_compile_sets_the_compiled_backend():
 
 
 def test_prefill_batch_must_be_positive():
-    loaded = open_model("tiny", numerics="plain")
     with pytest.raises(OpenflashError, match="prefill_batch must be >= 1, got 0"):
-        LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(prefill_batch=0))
+        LLMEngine(open_model("tiny", numerics="plain"), EngineConfig(prefill_batch=0))
 
 
 def test_one_row_gemms_in_a_graph_are_the_matmul():

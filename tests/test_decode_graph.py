@@ -4,7 +4,8 @@ The shape-static forms (masked cache writes, compressed stores read at full capa
 pair) are checked eagerly here, cheaply and tightly; the compiled graph itself (no graph break, no recompile across
 a capacity bucket) is test_compiled.py's, which shares one compiled model between its tests. Plain numerics for the
 tight comparisons: a QDQ rounding flip on a last-bit difference would hide a real one. Never bitwise: summation
-order may differ.
+order may differ. The model here has no Engram layers, so its steps take no rows: preparing rows is the runtime's
+job, and test_compiled.py runs the graph through the runtime with them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import shutil
 import pytest
 import torch
 
-from openflash.checkpoint import open_model
+from openflash.checkpoint import build_model, open_model
+from openflash.config import load_config
 from openflash.model import decode_graph
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import NUMERICS
@@ -28,59 +30,59 @@ PLAIN = NUMERICS["plain"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    loaded = open_model("tiny", numerics="plain")
-    return loaded.model, loaded.memory()
+    """The tiny preset's layers without its Engram layers (seed-0 weights, plain numerics)."""
+    torch.manual_seed(0)
+    return build_model(load_config("tiny").replace(engram_layer_ids=[]), PLAIN).eval()
 
 
-def _prefill(model, memory, ids: torch.Tensor):
+def _prefill(model, ids: torch.Tensor):
     cache = model.new_cache(ids.shape[0])
-    return cache, model.step(ids, cache, mode="exact", engram=memory.prepare(ids, cache))
+    return cache, model.step(ids, cache, mode="exact")
 
 
-def _decode_run(model, memory, ids: torch.Tensor, steps: int, static_eager: bool = False) -> torch.Tensor:
+def _decode_run(model, ids: torch.Tensor, steps: int, static_eager: bool = False) -> torch.Tensor:
     """Logits of the prefill and `steps` greedy decode steps; static_eager: the graph's body run eagerly."""
-    cache, logits = _prefill(model, memory, ids)
+    cache, logits = _prefill(model, ids)
     out = [logits]
     graph = DecodeGraph(model)
     for _ in range(steps):
         token = out[-1].argmax(-1).view(-1, 1)
-        rows = memory.prepare(token, cache)
         if static_eager:
-            out.append(model.static_decode(token, cache, graph.prepare(cache, rows)))
+            out.append(model.static_decode(token, cache, graph.prepare(cache, None)))
         else:
-            out.append(model.decode(token, cache, engram=rows))
+            out.append(model.step(token, cache))
     return torch.stack(out)
 
 
 def test_the_shape_static_step_equals_the_eager_step(tiny, monkeypatch):
     """Past compressed group boundaries, the window and a capacity bucket, for one row and for a batch of two."""
-    model, memory = tiny
+    model = tiny
     monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
     model.set_numerics(PLAIN)
     for ids in (torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(2)),
                 torch.randint(3, 1000, (2, 13), generator=torch.Generator().manual_seed(3))):
         if ids.shape[0] == 2:
             ids[1, :5] = 0  # (same length; the rows differ in content and so in routing and top-k)
-        want = _decode_run(model, memory, ids, 24)
-        got = _decode_run(model, memory, ids, 24, static_eager=True)
+        want = _decode_run(model, ids, 24)
+        got = _decode_run(model, ids, 24, static_eager=True)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_static_step_writes_a_row_at_its_own_position(tiny):
     """Rows at different positions (an engine's batch): each row's window slot and compressed entries land where
     the eager step puts them."""
-    model, memory = tiny
+    model = tiny
     model.set_numerics(PLAIN)
     caches = []
     for n in (5, 12):
-        cache, _ = _prefill(model, memory, torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(n)))
+        cache, _ = _prefill(model, torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(n)))
         caches.append(cache)
     both = [type(caches[0]).concat(caches) for _ in range(2)]
     for c in both[1].compressed.values():
         c.reserve(64, torch.div(both[1].pos, c.partial_kv.shape[1], rounding_mode="floor"))
     token = torch.tensor([[7], [9]])
-    want = model.decode(token.view(-1), both[0], engram=memory.prepare(token, both[0]))
-    got = model.static_decode(token, both[1], memory.prepare(token, both[1]))
+    want = model.step(token, both[0])
+    got = model.static_decode(token, both[1], None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(both[0].window, both[1].window):
         assert torch.equal(a.pos, b.pos)
@@ -93,9 +95,9 @@ def test_the_static_step_writes_a_row_at_its_own_position(tiny):
 
 
 def test_steps_that_cannot_be_one_graph_say_why(tiny):
-    model, memory = tiny
+    model = tiny
     graph = DecodeGraph(model)
-    cache, _ = _prefill(model, memory, torch.tensor([[5, 6, 7]]))
+    cache, _ = _prefill(model, torch.tensor([[5, 6, 7]]))
     assert graph.why_not(cache, None, None, False, None) is None
     assert "probe" in graph.why_not(cache, None, object(), False, None)
     assert "ExpertSource" in graph.why_not(cache, None, None, False, object())
@@ -114,18 +116,18 @@ def test_the_graph_captures_whole_and_grows_without_recompiling(tiny, monkeypatc
     """The dense caches' decode step (`generate --compile`) as dynamo captures it, the graph run by PyTorch's own
     kernels (inductor's code for the decode graph is test_compiled.py's, on the engine's paged caches): no graph
     break, one graph across the capacity buckets of 16 and 32 tokens, the eager step's logits."""
-    model, memory = tiny
+    model = tiny
     monkeypatch.setattr(decode_graph, "CAPACITY_TOKENS", 16)
     monkeypatch.setattr(decode_graph, "BACKEND", "eager")
     model.set_numerics(PLAIN)
     ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(4))
-    want = _decode_run(model, memory, ids, 12)  # positions 10..21: both buckets
-    cache, logits = _prefill(model, memory, ids)
+    want = _decode_run(model, ids, 12)  # positions 10..21: both buckets
+    cache, logits = _prefill(model, ids)
     graph, got = DecodeGraph(model), [logits]
     torch._dynamo.utils.counters.clear()
     for _ in range(12):
         token = got[-1].argmax(-1).view(-1, 1)
-        got.append(graph(token, cache, memory.prepare(token, cache)))
+        got.append(graph(token, cache, None))
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert graph.steps == 12 and graph.graphs == 1
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)

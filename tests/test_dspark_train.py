@@ -15,6 +15,7 @@ from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.prepare import prepare_dataset
 from openflash.train.tokenizer import stdlib_source_dir
@@ -47,8 +48,9 @@ def test_train_drafter_from_the_cli(tmp_path):
     tok = preset_tokenizer(cfg)
     prompts = [tok.encode("def wrap(text, width):").ids, tok.encode("import glob\n").ids]
     params = SamplingParams(max_tokens=20)
-    plain = LLMEngine(model, tok, EngineConfig(max_batch=2)).generate(prompts, params, ignore_eos=True)
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, speculative="dspark"))
+    rt = Runtime.of(model, tok)
+    plain = LLMEngine(rt, EngineConfig(max_batch=2)).generate(prompts, params, ignore_eos=True)
+    engine = LLMEngine(rt, EngineConfig(max_batch=2, speculative="dspark"))
     spec = engine.generate(prompts, params, ignore_eos=True)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     assert engine.metrics.spec_rounds > 0

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from conftest import WithEngram
 
 from openflash import formats
 from openflash.checkpoint import open_model
@@ -31,15 +30,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_engine_model):
-    return tiny_engine_model
+def tiny(tiny_runtime):
+    return tiny_runtime
 
 
 @pytest.fixture
 def plain(tiny):
-    model, tok = tiny
-    model.set_numerics(NUMERICS["plain"])
-    return model, tok
+    tiny.model.set_numerics(NUMERICS["plain"])
+    return tiny
 
 
 def prompts(n: int, lo: int = 5, hi: int = 70, seed: int = 0) -> list[list[int]]:
@@ -48,25 +46,25 @@ def prompts(n: int, lo: int = 5, hi: int = 70, seed: int = 0) -> list[list[int]]
     return [torch.randint(3, 1000, (k,), generator=g).tolist() for k in lengths]
 
 
-def sequential(model, tok, ps, params):
-    return [generate(model, tok, p, params).token_ids for p in ps]
+def sequential(rt, ps, params):
+    return [generate(rt, p, params).token_ids for p in ps]
 
 
 # ---- cache -------------------------------------------------------------------------------------------------------
 
 
 def test_paged_cache_matches_dense_and_frees_blocks(plain):
-    model = WithEngram(plain[0])
-    factory = CacheFactory.create(model.cfg, "fp32", block_size=4)
+    rt = plain
+    factory = CacheFactory.create(rt.cfg, "fp32", block_size=4)
     ps = prompts(3, 20, 40, seed=1)
     dense, paged = [], []
     for p in ps:
-        d, q = model.new_cache(1), factory.empty(1)
+        d, q = rt.new_cache(1), factory.empty(1)
         for i in range(0, len(p), 7):  # chunked prefill across compressor groups and blocks
             chunk = torch.tensor([p[i:i + 7]])
             last = i + 7 >= len(p)
-            ld = model.step(chunk, d, mode="bounded", last_chunk=last)
-            lq = model.step(chunk, q, mode="bounded", last_chunk=last)
+            ld = rt.step(chunk, d, mode="bounded", last_chunk=last)
+            lq = rt.step(chunk, q, mode="bounded", last_chunk=last)
         assert torch.equal(ld, lq)
         dense.append(d)
         paged.append(q)
@@ -75,13 +73,13 @@ def test_paged_cache_matches_dense_and_frees_blocks(plain):
         q.release()
     tokens = torch.tensor([7, 8, 9])
     for _ in range(6):
-        ld, lq = model.decode(tokens, d_batch), model.decode(tokens, q_batch)
+        ld, lq = rt.decode(tokens, d_batch), rt.decode(tokens, q_batch)
         assert torch.equal(ld, lq)
         tokens = ld.argmax(-1)
     # Regroup (drop the middle row) and keep decoding: still identical.
     d_two, q_two = d_batch.select([0, 2]), q_batch.select([0, 2])
     q_batch.release()
-    ld, lq = model.decode(tokens[[0, 2]], d_two), model.decode(tokens[[0, 2]], q_two)
+    ld, lq = rt.decode(tokens[[0, 2]], d_two), rt.decode(tokens[[0, 2]], q_two)
     assert torch.equal(ld, lq)
     assert factory.pool.blocks_in_use > 0
     q_two.release()
@@ -133,21 +131,21 @@ def test_global_cache_bytes_per_token_at_released_dims():
 
 
 def test_packed_storage_gives_identical_outputs(tiny):
-    model, tok = tiny
-    model.set_numerics(NUMERICS["fp32"])  # cache QDQ on: the packed formats hold exactly these values
+    rt = tiny
+    rt.model.set_numerics(NUMERICS["fp32"])  # cache QDQ on: the packed formats hold exactly these values
     try:
         ps, params = prompts(6, seed=2), SamplingParams(max_tokens=6)
         outs = {}
         for storage in ("fp32", "packed"):
-            engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, kv_storage=storage,
+            engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=16, kv_storage=storage,
                                                         prefix_cache=False))
             outs[storage] = [s.output_ids for s in engine.generate(ps, params)]
             assert engine.factory.pool.blocks_in_use == 0
         assert outs["fp32"] == outs["packed"]
     finally:
-        model.set_numerics(NUMERICS["plain"])
+        rt.model.set_numerics(NUMERICS["plain"])
     with pytest.raises(OpenflashError, match="cache QDQ"):
-        LLMEngine(model, tok, EngineConfig(kv_storage="packed"))
+        LLMEngine(rt, EngineConfig(kv_storage="packed"))
 
 
 # ---- scheduling and batching -------------------------------------------------------------------------------------
@@ -191,13 +189,13 @@ def test_scheduler_chunks_budget_and_batch_limit():
 
 
 def test_batched_greedy_equals_sequential(plain):
-    model, tok = plain
+    rt = plain
     ps = prompts(12, 1, 60, seed=3) + [[7]]  # a one-token prompt: no compressed entry yet
     params = SamplingParams(max_tokens=8)
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=5, prefill_chunk=16, max_step_tokens=40,
+    engine = LLMEngine(rt, EngineConfig(max_batch=5, prefill_chunk=16, max_step_tokens=40,
                                                 prefix_cache=False))
     seqs = engine.generate(ps, params, ignore_eos=True)
-    assert [s.output_ids for s in seqs] == sequential(model, tok, ps, params)
+    assert [s.output_ids for s in seqs] == sequential(rt, ps, params)
     assert engine.runner.regroups > 1  # the batch really changed membership
     assert engine.factory.pool.blocks_in_use == 0 and engine.runner.batch is None
 
@@ -206,17 +204,17 @@ def test_batched_greedy_equals_sequential(plain):
 def test_packed_prefill_equals_one_prompt_at_a_time(plain, mode):
     """Prompt chunks of equal length share a model call (pending bounded replays and Engram hash histories joined
     and split back); greedy outputs equal prefilling one prompt per call, with fewer calls."""
-    model, tok = plain
+    rt = plain
     ps = prompts(9, 20, 70, seed=5) + [[9] * 33, [11] * 33]  # multi-chunk prompts, two of one length
     params = SamplingParams(max_tokens=6)
     outputs, calls = [], []
     for batch in (1, 16):
-        engine = LLMEngine(model, tok, EngineConfig(max_batch=11, prefill_chunk=16, max_step_tokens=200,
+        engine = LLMEngine(rt, EngineConfig(max_batch=11, prefill_chunk=16, max_step_tokens=200,
                                                     prefill_mode=mode, prefix_cache=False, prefill_batch=batch))
         outputs.append([s.output_ids for s in engine.generate(ps, params, ignore_eos=True)])
         calls.append(engine.runner.prefill_calls)
         assert engine.factory.pool.blocks_in_use == 0
-    assert outputs[0] == outputs[1] == [generate(model, tok, p, params, mode=mode).token_ids for p in ps]
+    assert outputs[0] == outputs[1] == [generate(rt, p, params, mode=mode).token_ids for p in ps]
     assert calls[0] == sum(-(-len(p) // 16) for p in ps) and calls[1] < 0.6 * calls[0]
 
 
@@ -224,38 +222,38 @@ def test_packed_prefill_equals_one_prompt_at_a_time(plain, mode):
 def test_prompts_of_different_lengths_share_a_prefill_call(plain, mode):
     """Prompts of 12-30 tokens (window 16: bounded replay tails of 12 and 16) prefill in one right-padded call
     (94 real tokens of 120, within the default padding share 0.25); greedy outputs equal plain generation."""
-    model, tok = plain
+    rt = plain
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (30, 24, 12, 28)]
     params = SamplingParams(max_tokens=5)
 
     def run(prompts: list[list[int]], **config) -> tuple[list[list[int]], int]:
-        engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=64, max_step_tokens=256,
+        engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=64, max_step_tokens=256,
                                                     prefill_mode=mode, prefix_cache=False, **config))
         outputs = [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)]
         assert engine.factory.pool.blocks_in_use == 0
         return outputs, engine.runner.prefill_calls
 
     outputs, calls = run(ps)
-    assert calls == 1 and outputs == [generate(model, tok, p, params, mode=mode).token_ids for p in ps]
+    assert calls == 1 and outputs == [generate(rt, p, params, mode=mode).token_ids for p in ps]
     assert run(ps, prefill_padding=0) == (outputs, 4)  # no padding: one call per length
     assert run([ps[0], ps[2][:9]])[1] == 2  # 30 + 9 tokens padded to 60: 35% padding, over the share
     with pytest.raises(OpenflashError, match=r"prefill_padding must be in \[0, 1\), got 1.0"):
-        LLMEngine(model, tok, EngineConfig(prefill_padding=1.0))
+        LLMEngine(rt, EngineConfig(prefill_padding=1.0))
 
 
 def test_a_failing_packed_prefill_fails_only_its_requests(plain, monkeypatch):
-    model, tok = plain
+    rt = plain
     # Two rows a call: the two 16-token prompts share one (longest first), the 9-token prompt gets its own.
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, prefill_batch=2))
-    real = engine.runner._step
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, prefill_batch=2))
+    real = rt.step
 
-    def flaky(ids, cache, *args, **kwargs):
+    def flaky(ids, cache, **kwargs):
         if ids.shape == (2, 16):
             raise RuntimeError("injected failure")
-        return real(ids, cache, *args, **kwargs)
+        return real(ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "_step", flaky)
+    monkeypatch.setattr(rt, "step", flaky)
     seqs = engine.generate([[5] * 16, [6] * 16, [7] * 9], SamplingParams(max_tokens=3), ignore_eos=True)
     assert [s.finish_reason for s in seqs] == ["error", "error", "length"]
     assert "injected failure" in seqs[0].error and len(seqs[2].output_ids) == 3
@@ -263,19 +261,19 @@ def test_a_failing_packed_prefill_fails_only_its_requests(plain, monkeypatch):
 
 
 def test_seeded_sampling_is_independent_of_the_batch(plain):
-    model, tok = plain
+    rt = plain
     ps = prompts(5, seed=4)
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=6, seed=100 + i) for i in range(5)]
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=5, prefix_cache=False))
+    engine = LLMEngine(rt, EngineConfig(max_batch=5, prefix_cache=False))
     seqs = engine.generate(ps, params)
-    assert [s.output_ids for s in seqs] == [generate(model, tok, p, sp).token_ids for p, sp in zip(ps, params)]
+    assert [s.output_ids for s in seqs] == [generate(rt, p, sp).token_ids for p, sp in zip(ps, params)]
 
 
 def test_stop_strings_stop_ids_and_length(plain):
-    model, tok = plain
+    rt = plain
     p = prompts(1, 20, 21, seed=5)[0]
-    ref = generate(model, tok, p, SamplingParams(max_tokens=10))
-    engine = LLMEngine(model, tok, EngineConfig(prefix_cache=False))
+    ref = generate(rt, p, SamplingParams(max_tokens=10))
+    engine = LLMEngine(rt, EngineConfig(prefix_cache=False))
     (full,) = engine.generate([p], SamplingParams(max_tokens=10), ignore_eos=True)
     assert full.output_ids == ref.token_ids and full.finish_reason == LENGTH and full.text == ref.text
     # A stop token id: generation ends with it, and its text is not part of the output.
@@ -283,7 +281,7 @@ def test_stop_strings_stop_ids_and_length(plain):
     (s,) = engine.generate([p], SamplingParams(max_tokens=10, stop_token_ids=(stop_id,)))
     k = ref.token_ids.index(stop_id)
     assert s.output_ids == ref.token_ids[:k + 1] and s.finish_reason == STOP
-    assert s.text == tok.decode(ref.token_ids[:k])
+    assert s.text == rt.tokenizer.decode(ref.token_ids[:k])
     # A stop string cut from the middle of the reference text; streamed pieces never contain it.
     text = ref.text
     start = len(text) // 2
@@ -299,8 +297,8 @@ def test_stop_strings_stop_ids_and_length(plain):
 
 
 def test_request_validation(plain):
-    model, tok = plain
-    engine = LLMEngine(model, tok, EngineConfig(max_context=64, max_waiting=2, prefix_cache=False))
+    rt = plain
+    engine = LLMEngine(rt, EngineConfig(max_context=64, max_waiting=2, prefix_cache=False))
     with pytest.raises(PromptTooLongError, match="64"):
         engine.add_request(list(range(3, 70)), SamplingParams(max_tokens=1))
     with pytest.raises(MaxTokensError, match="max_tokens 20"):
@@ -316,8 +314,8 @@ def test_request_validation(plain):
 
 
 def test_abort_frees_state_and_shutdown_drains(plain):
-    model, tok = plain
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
+    rt = plain
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False))
     outs: dict[str, list] = {}
 
     def collect(o):
@@ -349,24 +347,19 @@ def test_abort_frees_state_and_shutdown_drains(plain):
 
 def test_engram_host_tier_gives_identical_outputs():
     """--engram-placement host: hash ids computed from token ids before each step, rows fetched by the memory tier."""
-    from openflash.memory.placement import EngramMemory
-
-    models = []
+    runtimes = []
     for _ in range(2):
-        loaded = open_model("tiny", numerics="plain")
-        model, tok = loaded.model, loaded.tokenizer
-        for lid in model.cfg.engram_layer_ids:  # the host tier holds FP8 rows; give both models the same tables
-            model.layers[lid].engram.embed = model.layers[lid].engram.embed.to_fp8()
-        models.append(model)
-    memory = EngramMemory.attach(models[1], "host")
-    try:
+        rt = open_model("tiny", numerics="plain")
+        for lid in rt.cfg.engram_layer_ids:  # the host tier holds FP8 rows; give both models the same tables
+            rt.model.layers[lid].engram.embed = rt.model.layers[lid].engram.embed.to_fp8()
+        runtimes.append(rt)
+    device, host = runtimes
+    with host:
+        host.place_engram("host")
         ps, params = prompts(4, seed=9), SamplingParams(max_tokens=5)
         config = EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False)
-        want = [s.output_ids for s in LLMEngine(models[0], tok, config).generate(ps, params)]
-        engine = LLMEngine(models[1], tok, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False,
-                                                        engram_speculate=2), memory)
+        want = [s.output_ids for s in LLMEngine(device, config).generate(ps, params)]
+        engine = LLMEngine(host, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, engram_speculate=2))
         assert [s.output_ids for s in engine.generate(ps, params)] == want
         stats = engine.stats()["engram"]
         assert stats["placement"] == "host" and stats["steps"] > 0 and stats["speculation"]["speculations"] > 0
-    finally:
-        memory.close()

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_engine_model):
-    return tiny_engine_model
+def tiny(tiny_runtime):
+    return tiny_runtime
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -30,11 +30,11 @@ def run_one(engine: LLMEngine, prompt: list[int], max_tokens: int = 4):
 
 
 def test_snapshot_hits_equal_outputs_and_cut_ttft(tiny):
-    model, tok = tiny
+    rt = tiny
     system = ids(192, seed=1)
     prompts = [system + ids(6 + i, seed=10 + i) for i in range(4)]
-    cold = LLMEngine(model, tok, EngineConfig(prefill_chunk=64, prefix_cache=False))
-    warm = LLMEngine(model, tok, EngineConfig(prefill_chunk=64, prefix_cache=True))
+    cold = LLMEngine(rt, EngineConfig(prefill_chunk=64, prefix_cache=False))
+    warm = LLMEngine(rt, EngineConfig(prefill_chunk=64, prefix_cache=True))
     want = [run_one(cold, p).output_ids for p in prompts]
     got = [run_one(warm, p) for p in prompts]
     assert [s.output_ids for s in got] == want
@@ -50,9 +50,9 @@ def test_snapshot_hits_equal_outputs_and_cut_ttft(tiny):
 
 
 def test_cached_state_is_copied_not_aliased(tiny):
-    model, tok = tiny
+    rt = tiny
     # 5-entry pool blocks: the cached prefix ends inside a block, which the hits then append to.
-    engine = LLMEngine(model, tok, EngineConfig(prefill_chunk=16, prefix_cache=True, kv_block_size=5))
+    engine = LLMEngine(rt, EngineConfig(prefill_chunk=16, prefix_cache=True, kv_block_size=5))
     base = ids(40, seed=2)
     first = run_one(engine, base + [5, 6], max_tokens=6)
     pool = engine.factory.pool
@@ -69,8 +69,8 @@ def test_cached_state_is_copied_not_aliased(tiny):
 
 
 def test_lru_eviction_bounds_bytes(tiny):
-    model, tok = tiny
-    engine = LLMEngine(model, tok, EngineConfig(prefill_chunk=16, prefix_cache=True, prefix_cache_bytes=250_000))
+    rt = tiny
+    engine = LLMEngine(rt, EngineConfig(prefill_chunk=16, prefix_cache=True, prefix_cache_bytes=250_000))
     for i in range(4):
         run_one(engine, ids(40, seed=100 + i), max_tokens=1)
     pc = engine.prefix_cache
@@ -86,18 +86,18 @@ def test_lru_eviction_bounds_bytes(tiny):
 def test_persisted_cache_survives_a_restart(tiny, tmp_path, kv_storage):
     """Each window ring saved by its planes (WindowStore.planes) and rebuilt by its storage's class (packed rings
     hold the fp32 policy's FP8 cache format, so that run uses it)."""
-    model, tok = tiny
-    numerics = model.numerics
-    model.set_numerics(NUMERICS["fp32"] if kv_storage == "packed" else numerics)
+    rt = tiny
+    numerics = rt.model.numerics
+    rt.model.set_numerics(NUMERICS["fp32"] if kv_storage == "packed" else numerics)
     try:
         prompt = ids(70, seed=3)
         config = EngineConfig(prefill_chunk=32, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"),
                               kv_storage=kv_storage)
-        first = LLMEngine(model, tok, config)
+        first = LLMEngine(rt, config)
         a = run_one(first, prompt)
         first.shutdown(drain_timeout=0)
         assert (tmp_path / "pc" / "prefix_cache.json").exists()
-        second = LLMEngine(model, tok, config)
+        second = LLMEngine(rt, config)
         assert len(second.prefix_cache.entries) == len(first.prefix_cache.entries) == 2
         saved = [e for e in second.prefix_cache.entries.values() if e.window is not None]
         assert saved and all(w.storage == kv_storage for e in saved for w in e.window)
@@ -106,18 +106,18 @@ def test_persisted_cache_survives_a_restart(tiny, tmp_path, kv_storage):
         other = EngineConfig(prefill_chunk=16, prefix_cache=True, prefix_cache_dir=str(tmp_path / "pc"),
                              kv_storage=kv_storage)
         with pytest.raises(OpenflashError, match="fingerprint"):
-            LLMEngine(model, tok, other)
+            LLMEngine(rt, other)
     finally:
-        model.set_numerics(numerics)
+        rt.model.set_numerics(numerics)
 
 
 @pytest.mark.parametrize("prefill_mode", ["bounded", "exact"])
 def test_replay_restore(tiny, prefill_mode):
-    model, tok = tiny
-    window = model.cfg.sliding_window  # 16: a prefix this short is replayed whole, so exactly
+    rt = tiny
+    window = rt.cfg.sliding_window  # 16: a prefix this short is replayed whole, so exactly
     config = dict(prefill_chunk=32, prefill_mode=prefill_mode, prefix_restore="replay", prefix_block_tokens=window)
-    cold = LLMEngine(model, tok, EngineConfig(prefill_chunk=32, prefill_mode=prefill_mode, prefix_cache=False))
-    warm = LLMEngine(model, tok, EngineConfig(prefix_cache=True, **config))
+    cold = LLMEngine(rt, EngineConfig(prefill_chunk=32, prefill_mode=prefill_mode, prefix_cache=False))
+    warm = LLMEngine(rt, EngineConfig(prefix_cache=True, **config))
     short = ids(window, seed=4)
     run_one(warm, short + [9, 9, 9])
     s = run_one(warm, short + [11, 12])

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import WithEngram
 
 from openflash.checkpoint import save_checkpoint
 from openflash.config import load_config
@@ -25,6 +24,8 @@ from openflash.memory.rows import EngramTable
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
+from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"  # a checkpoint of another tiny config (Engram layers 0, 3)
 BATCH = 2
@@ -54,14 +55,15 @@ def next_tokens(logits: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def run(model: Transformer, memory: EngramMemory, k: int = 0) -> torch.Tensor:
-    """Logits [STEPS + 1, B, V] of a prefill and STEPS decode steps through `memory`."""
-    cache = model.new_cache(BATCH)
+    """Logits [STEPS + 1, B, V] of a prefill and STEPS decode steps of a runtime reading `memory`."""
+    rt = Runtime(model, preset_tokenizer(model.cfg), memory)
+    cache = rt.new_cache(BATCH)
     ids, out = prompt(model.cfg.vocab_size), []
     for step in range(STEPS + 1):
-        logits = model.step(ids, cache, engram=memory.prepare(ids, cache))
+        logits = rt.step(ids, cache)
         out.append(logits)
         if k:
-            memory.speculate(logits, cache, k)
+            rt.speculate(logits, cache, k)
         ids = next_tokens(logits, step)
     return torch.stack(out)
 
@@ -189,15 +191,12 @@ def test_chunked_prefill_carries_the_hash_state(base, table_dir):
     ids = prompt(base.cfg.vocab_size)
 
     def chunked(placement: str) -> torch.Tensor:
-        model = copy.deepcopy(base)
-        memory = EngramMemory.attach(model, placement, table_dir=table_dir if placement == "disk" else None)
-        cache = model.new_cache(BATCH)
-        for chunk, last in ((ids[:, :4], False), (ids[:, 4:], True)):
-            logits = model.step(chunk, cache, mode="bounded", last_chunk=last, engram=memory.prepare(chunk, cache))
-        token = logits.argmax(-1)[:, None]
-        out = torch.stack([logits, model.step(token, cache, engram=memory.prepare(token, cache))])
-        memory.close()
-        return out
+        with Runtime.of(copy.deepcopy(base)) as rt:
+            rt.place_engram(placement, table_dir=table_dir)
+            cache = rt.new_cache(BATCH)
+            for chunk, last in ((ids[:, :4], False), (ids[:, 4:], True)):
+                logits = rt.step(chunk, cache, mode="bounded", last_chunk=last)
+            return torch.stack([logits, rt.decode(logits.argmax(-1), cache)])
 
     assert torch.equal(chunked("disk"), chunked("device"))
 
@@ -205,8 +204,8 @@ def test_chunked_prefill_carries_the_hash_state(base, table_dir):
 def test_training_prefetches_the_next_batch(base):
     batches = [torch.randint(3, base.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(s))
                for s in range(3)]
-    reference = WithEngram(copy.deepcopy(base))
-    want = [reference(x).logits for x in batches]
+    reference = Runtime.of(copy.deepcopy(base))
+    want = [reference.forward(x).logits for x in batches]
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "host") as memory:
         upcoming = memory.prefetch_batch(batches[0])
@@ -225,7 +224,7 @@ def test_a_step_takes_the_rows_prepared_for_it(base, reference):
     model = copy.deepcopy(base)
     with EngramMemory.attach(model, "host") as memory:
         ids = prompt(model.cfg.vocab_size)
-        with pytest.raises(ValueError, match="pass engram=.*EngramMemory.prepare"):
+        with pytest.raises(ValueError, match="run it through its runtime"):
             model.step(ids, model.new_cache(BATCH))
         memory.prepare(ids[:, :3], model.new_cache(BATCH))  # prefetched, then never used
         memory.prepare(ids.flip(1), model.new_cache(BATCH))
@@ -350,13 +349,13 @@ def test_a_server_over_a_truncated_table_answers_503_without_paths(base, table_d
     from openflash.chat import chat_format
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.serve.app import ServerConfig, build_app
-    from openflash.tokenizer import preset_tokenizer
 
     folder = tmp_path / "tables"
     shutil.copytree(table_dir, folder)
-    model, tok = copy.deepcopy(base), preset_tokenizer(base.cfg)
-    memory = EngramMemory.attach(model, "disk", table_dir=folder)
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, max_context=64, prefix_cache=False), memory)
+    rt = Runtime.of(copy.deepcopy(base))
+    rt.place_engram("disk", table_dir=folder)
+    tok, memory = rt.tokenizer, rt.memory
+    engine = LLMEngine(rt, EngineConfig(max_batch=2, max_context=64, prefix_cache=False))
     app = build_app(engine, tok, ServerConfig("tiny", chat_format(tok, 0, 1), drain_timeout=1.0))
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 2}
     path = memory.tables[1].path
@@ -432,18 +431,15 @@ def test_serve_disk_tier_of_a_model_with_fp32_tables(tmp_path):
     """`openflash serve --engram-placement disk` on a model trained here (fp32 tables, no engram_tables folder):
     its tables are quantized to FP8 rows and exported for the disk tier, which then serves the same rows."""
     from openflash.checkpoint import open_model
-    from openflash.commands.run import serving_memory
 
     served, reference = open_model("tiny", numerics="plain"), open_model("tiny", numerics="plain")  # same seed
     assert reference.model.quantize_engram_tables() == reference.model.cfg.engram_layer_ids
-    memory = serving_memory(served, "disk", "tiny", tmp_path)
-    try:
-        assert memory.placement == "disk" and sorted(p.name for p in tmp_path.iterdir()) == \
+    with served:
+        served.place_engram("disk")
+        exported = Path(served.memory.tables[0].path).parent
+        assert served.memory.placement == "disk" and sorted(p.name for p in exported.iterdir()) == \
             [table_file_name(lid) for lid in served.model.cfg.engram_layer_ids]
         ids = prompt(served.model.cfg.vocab_size)
-        a, b = served.model.new_cache(BATCH), reference.model.new_cache(BATCH)
-        got = served.model.step(ids, a, engram=memory.prepare(ids, a))
-        want = reference.model.step(ids, b, engram=reference.memory().prepare(ids, b))
+        got, want = served.step(ids, served.new_cache(BATCH)), reference.step(ids, reference.new_cache(BATCH))
         assert _same_logits(got, want)  # two model instances: see _same_logits
-    finally:
-        memory.close()
+    assert not exported.exists()  # close() removed the exported tables

@@ -15,7 +15,7 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import CheckpointError, OpenflashError
 from openflash.memory.experts import ExpertStore
-from openflash.memory.placement import EngramMemory
+from openflash.runtime import Runtime
 from openflash.serve.metrics import render
 from openflash.tools.synth import synthesize
 
@@ -28,14 +28,13 @@ def ckpt(tmp_path_factory):
 
 
 def _run(model, report, store=None) -> list[torch.Tensor]:
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
+    rt = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store)
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (2, 40))
-    cache = model.new_cache(2)
-    out = [model.step(ids, cache, engram=memory.prepare(ids, cache), experts=store)]
+    cache = rt.new_cache(2)
+    out = [rt.step(ids, cache)]
     for _ in range(4):
-        token = out[-1].argmax(-1, keepdim=True)
-        out.append(model.step(token, cache, engram=memory.prepare(token, cache), experts=store))
+        out.append(rt.decode(out[-1].argmax(-1), cache))
     return out
 
 
@@ -66,9 +65,8 @@ def test_engine_serves_with_disk_experts_and_reports_them(ckpt):
     own = open_model(str(ckpt), weights="stored")
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
-    want = [s.output_ids for s in LLMEngine(own.model, own.tokenizer, EngineConfig(max_batch=2), own.memory())
-            .generate(prompts, params)]
-    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=2), loaded.memory(), loaded.experts)
+    want = [s.output_ids for s in LLMEngine(own, EngineConfig(max_batch=2)).generate(prompts, params)]
+    engine = LLMEngine(loaded, EngineConfig(max_batch=2))
     assert [s.output_ids for s in engine.generate(prompts, params)] == want
     text = render(engine)
     assert 'openflash_expert_cache_misses_total{layer="0"}' in text and "openflash_expert_bytes_read_total" in text
@@ -133,8 +131,7 @@ def _lockstep_rank(ctx, folder: str, out: str) -> None:
     from openflash.engine.lockstep import Lockstep
 
     loaded = open_model(folder, expert_placement="host", expert_group=ctx)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=3, prefill_chunk=16),
-                       loaded.memory(), loaded.experts, Lockstep(ctx.rank, ctx.world_size))
+    engine = LLMEngine(loaded, EngineConfig(max_batch=3, prefill_chunk=16), Lockstep(ctx.rank, ctx.world_size))
     outputs: dict[str, list] = {}
 
     def record(o) -> None:
@@ -179,8 +176,7 @@ def test_expert_parallel_engines_step_together(ckpt, tmp_path):
     assert follower["outputs"] == leader["outputs"]
     assert leader["outputs"]["r4"][-1] == "abort" and leader["seeds"][1] is not None
     loaded = open_model(str(ckpt), expert_placement="host")
-    alone = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=3, prefill_chunk=16),
-                      loaded.memory(), loaded.experts)
+    alone = LLMEngine(loaded, EngineConfig(max_batch=3, prefill_chunk=16))
     requests = _lockstep_requests()[:4]
     seqs = alone.generate([p for p, _ in requests], [replace(sp, seed=seed) for (_, sp), seed in
                                                      zip(requests, leader["seeds"])], ignore_eos=True)
@@ -212,8 +208,7 @@ def test_serve_with_expert_parallelism_under_torchrun(ckpt):
         body = {"model": ckpt.name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         loaded = open_model(str(ckpt), expert_placement="host")
-        alone = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_batch=4, max_context=128),
-                          loaded.memory(), loaded.experts)
+        alone = LLMEngine(loaded, EngineConfig(max_batch=4, max_context=128))
         assert got == alone.generate([prompt], SamplingParams(max_tokens=8), ignore_eos=True)[0].text
     finally:
         proc.send_signal(signal.SIGINT)
@@ -246,9 +241,8 @@ def test_engine_replicas_refuse_what_they_cannot_share(ckpt, tmp_path):
     loaded = open_model(str(ckpt))
     with pytest.raises(OpenflashError, match="persisted prefix cache .prefix_cache_dir. is not supported with expert "
                                              "parallelism"):
-        LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(prefix_cache_dir=str(tmp_path)), None, None,
-                  Lockstep(0, 2))
-    follower = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(), None, None, Lockstep(1, 2))
+        LLMEngine(loaded, EngineConfig(prefix_cache_dir=str(tmp_path)), Lockstep(0, 2))
+    follower = LLMEngine(loaded, EngineConfig(), Lockstep(1, 2))
     with pytest.raises(RuntimeError, match="a follower engine takes its requests from the leader"):
         follower.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="at least 2 ranks"):

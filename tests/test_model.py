@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WithEngram
 
 from openflash.config import load_config
 from openflash.model.cache import ModelCache
-from openflash.model.moe import batched_swiglu
 from openflash.model.numerics import FP32, PLAIN, TRAIN
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.topology import LayerMode
 
 TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def tiny() -> WithEngram:
+def tiny() -> Runtime:
     torch.manual_seed(0)
-    return WithEngram(Transformer(load_config("tiny")).eval().set_numerics(PLAIN))
+    return Runtime.of(Transformer(load_config("tiny")).eval().set_numerics(PLAIN))
 
 
 def _ids(cfg, batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -36,7 +35,7 @@ def test_tiny_exercises_every_mode(tiny):
 def test_chunked_prefill_and_decode_match_full_forward(tiny, chunks):
     ids = _ids(tiny.cfg, 2, 90)
     with torch.no_grad():
-        full = tiny(ids).logits
+        full = tiny.forward(ids).logits
     cache = tiny.new_cache(2)
     pos = 0
     for n in chunks:
@@ -52,7 +51,7 @@ def test_chunked_prefill_and_decode_match_full_forward(tiny, chunks):
 def test_batched_decode_rows_at_different_positions(tiny):
     a, b = _ids(tiny.cfg, 1, 60, seed=2), _ids(tiny.cfg, 1, 45, seed=3)
     with torch.no_grad():
-        full_a, full_b = tiny(a).logits, tiny(b).logits
+        full_a, full_b = tiny.forward(a).logits, tiny.forward(b).logits
     ca, cb = tiny.new_cache(1), tiny.new_cache(1)
     tiny.step(a[:, :40], ca)
     tiny.step(b[:, :21], cb)
@@ -101,27 +100,28 @@ def test_bounded_replay_keeps_encoder_state_exact(tiny):
 
 def test_quantized_numerics_consistent_for_one_row(tiny):
     """With the FP8/FP4 quantization points on, incremental decode still reproduces the full forward."""
-    tiny.set_numerics(FP32)
+    tiny.model.set_numerics(FP32)
     try:
         ids = _ids(tiny.cfg, 1, 40, seed=5)
         with torch.no_grad():
-            full = tiny(ids).logits
+            full = tiny.forward(ids).logits
         cache = tiny.new_cache(1)
         tiny.step(ids[:, :25], cache)
         for t in range(25, 40):
             assert (tiny.decode(ids[:, t], cache) - full[:, t]).abs().max() < 1e-2  # rare QDQ rounding flips
     finally:
-        tiny.set_numerics(PLAIN)
+        tiny.model.set_numerics(PLAIN)
 
 
 def test_training_loss_falls_and_indexer_learns_only_from_kl():
     torch.manual_seed(0)
-    model = WithEngram(Transformer(load_config("tiny")).train().set_numerics(TRAIN))
+    rt = Runtime.of(Transformer(load_config("tiny")).train().set_numerics(TRAIN))
+    model = rt.model
     ids = _ids(model.cfg, 4, 48, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(12):
-        out = model(ids[:, :-1], ids[:, 1:])
+        out = rt.forward(ids[:, :-1], ids[:, 1:])
         losses.append(out.loss.item())
         opt.zero_grad()
         out.loss.backward()
@@ -129,12 +129,12 @@ def test_training_loss_falls_and_indexer_learns_only_from_kl():
     assert losses[-1] < losses[0] - 1.0, losses
     # The LM loss sends no gradient into the indexer; its KL loss sends gradient only into the indexer.
     model.zero_grad()
-    out = model(ids[:, :-1], ids[:, 1:])
+    out = rt.forward(ids[:, :-1], ids[:, 1:])
     out.loss.backward()
     indexer = {n: p for n, p in model.named_parameters() if ".attn.indexer." in n}
     assert indexer and all(p.grad is None or p.grad.abs().sum() == 0 for p in indexer.values())
     model.zero_grad()
-    out = model(ids[:, :-1], ids[:, 1:], dense_indexer=True)
+    out = rt.forward(ids[:, :-1], ids[:, 1:], dense_indexer=True)
     assert out.indexer_loss is not None and out.indexer_loss > 0
     out.indexer_loss.backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
@@ -149,50 +149,12 @@ def test_released_shape_builds_on_meta():
     assert model.layers[20].attn.indexer.wk.out_features == 128
 
 
-@pytest.mark.parametrize("storage", ["float", "quantized"])
-def test_batched_experts_match_the_per_expert_loop(storage):
-    """The decode-step MoE path (routed pairs padded per selected expert, three batched matmuls) computes what
-    the per-expert loop does, with the same quantization points, up to fp32 summation order."""
-    from openflash import formats
-    from openflash.model.moe import MoE
-    from openflash.model.numerics import FP32, PLAIN
-
-    torch.manual_seed(0)
-    cfg = load_config("tiny")
-    if storage == "quantized":
-        cfg = cfg.replace(weight_dtype="fp8", expert_dtype="fp4")
-    moe = MoE(cfg, 0)
-    for expert in list(moe.experts) + [moe.shared_experts]:
-        for lin in (expert.w1, expert.w2, expert.w3):
-            w = torch.randn(lin.out_features, lin.in_features) * lin.in_features ** -0.5
-            if lin.storage == "fp4":
-                packed, scale = formats.quantize_mxfp4(w)
-                lin.weight.copy_(packed.view(torch.int8))
-                lin.scale.copy_(scale.view(torch.float8_e8m0fnu))
-            elif lin.storage == "fp8":
-                q, scale = formats.quantize_fp8_blocks(w)
-                lin.weight.copy_(q.view(torch.float8_e4m3fn))
-                lin.scale.copy_(scale.view(torch.float8_e8m0fnu))
-    for numerics in (FP32, PLAIN):
-        for module in moe.modules():
-            if hasattr(module, "numerics"):
-                module.numerics = numerics
-        for n in (1, 7, 40):
-            x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(n))
-            weights, ids = moe.gate(x, None)
-            counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
-            own = {e: moe.experts[e] for e in range(len(moe.experts))}
-            looped = moe._routed_grouped(x, weights, ids, counts, own)
-            batched = moe._routed_batched(x, weights, ids, counts, own, batched_swiglu)
-            torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("mode, spare", [("exact", 0), ("bounded", 0), ("exact", 3)])
 def test_right_padded_rows_equal_each_row_on_its_own(tiny, mode, spare):
     """Prompts of different lengths in one call (a packed prefill): rows right-padded, `lengths` saying what is
     real. Each row's logits and everything its cache keeps equal running it alone; decoding (and rolling back)
     continues alike. Chunks shorter and longer than the window, groups left open, rows at different positions."""
-    cfg, memory = tiny.cfg, tiny.memory
+    cfg = tiny.cfg
     chunks = [(16, 3, 40), (5, 21, 9), (11, 7, 2)]  # per row: its chunk lengths, in order
     prompts = [_ids(cfg, 1, sum(c), seed=10 + b)[0] for b, c in enumerate(chunks)]
     batch, alone = tiny.new_cache(3, spare=spare), [tiny.new_cache(1, spare=spare) for _ in chunks]
@@ -203,9 +165,7 @@ def test_right_padded_rows_equal_each_row_on_its_own(tiny, mode, spare):
         ids = torch.stack([torch.cat((p[d:d + n], p.new_zeros(width - n))) for p, d, n in zip(prompts, done, sizes)])
         lengths = torch.tensor(sizes)
         last = j == 2
-        with torch.no_grad():
-            packed = tiny.model.step(ids, batch, mode=mode, last_chunk=last, lengths=lengths,
-                                     engram=memory.prepare(ids, batch, lengths=lengths))
+        packed = tiny.step(ids, batch, mode=mode, last_chunk=last, lengths=lengths)
         for b, (p, n) in enumerate(zip(prompts, sizes)):
             own = tiny.step(p[done[b]:done[b] + n].unsqueeze(0), alone[b], mode=mode, last_chunk=last)
             if packed is not None or own is not None:
@@ -241,4 +201,4 @@ def test_right_padded_rows_are_checked(tiny):
     ids = _ids(tiny.cfg, 2, 5)
     for bad in ([5], [0, 5], [6, 2]):
         with pytest.raises(ValueError, match=r"lengths must hold one value in \[1, 5\] per row"):
-            tiny.model.step(ids, cache, lengths=torch.tensor(bad), engram=tiny.memory.prepare(ids, tiny.new_cache(2)))
+            tiny.step(ids, cache, lengths=torch.tensor(bad))

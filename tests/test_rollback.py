@@ -10,10 +10,10 @@ import torch
 
 from openflash.config import load_config
 from openflash.engine.cache import CacheFactory
-from openflash.memory.placement import EngramMemory
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import FP32, PLAIN
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.topology import LayerMode
 
 SPARE = 6
@@ -30,16 +30,15 @@ def _tokens(cfg, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(model, memory, cache, ids: torch.Tensor) -> torch.Tensor:
-    ids = ids.view(cache.batch_size, -1)
-    return model.step(ids, cache, engram=memory.prepare(ids, cache))
+def _run(rt, cache, ids: torch.Tensor) -> torch.Tensor:
+    return rt.step(ids.view(cache.batch_size, -1), cache)
 
 
 @pytest.mark.parametrize("store", ["dense", "paged", "packed"])
 def test_rollback_is_as_if_never_decoded(model, store):
     assert {t.mode for t in model.cfg.topology.layers} == set(LayerMode)
     model.set_numerics(PLAIN if store != "packed" else FP32)  # packed storage holds the trained (QDQ) formats
-    cfg, memory = model.cfg, EngramMemory.attach(model, "device")
+    cfg, rt = model.cfg, Runtime.of(model)
     factory = None if store == "dense" else CacheFactory.create(cfg, "fp32" if store == "paged" else "packed",
                                                                 block_size=4)
 
@@ -53,9 +52,9 @@ def test_rollback_is_as_if_never_decoded(model, store):
 
     def prefilled(row: int, extra: torch.Tensor) -> ModelCache:
         cache = empty(1)
-        _run(model, memory, cache, prompts[row])
+        _run(rt, cache, prompts[row])
         for t in extra:
-            _run(model, memory, cache, t)
+            _run(rt, cache, t)
         return cache
 
     def joined(parts: list[ModelCache]) -> ModelCache:  # as the engine regroups: the parts' blocks go back
@@ -72,7 +71,7 @@ def test_rollback_is_as_if_never_decoded(model, store):
     # Never decoded: each row decodes only what it keeps.
     fresh = joined([prefilled(0, drafted[0][:keep[0]]), prefilled(1, drafted[1][:keep[1]])])
     for t in range(after.shape[1]):
-        got, want = _run(model, memory, batch, after[:, t]), _run(model, memory, fresh, after[:, t])
+        got, want = _run(rt, batch, after[:, t]), _run(rt, fresh, after[:, t])
         assert torch.equal(got, want), (store, t, (got - want).abs().max())
     assert torch.equal(batch.engram.history[:, -3:], fresh.engram.history[:, -3:])
     for c in (batch, fresh):
@@ -83,9 +82,9 @@ def test_rollback_is_as_if_never_decoded(model, store):
 
 
 def test_rollback_is_bounded_by_the_spare_room(model):
-    memory = EngramMemory.attach(model, "device")
+    rt = Runtime.of(model)
     cache = ModelCache.empty(model.cfg, 1, spare=2)
-    _run(model, memory, cache, _tokens(model.cfg, 10, 7))
+    _run(rt, cache, _tokens(model.cfg, 10, 7))
     with pytest.raises(ValueError, match="only the last 2 tokens can be undone"):
         cache.rollback(7)
     with pytest.raises(ValueError, match="cannot roll back from positions"):
@@ -93,6 +92,6 @@ def test_rollback_is_bounded_by_the_spare_room(model):
     cache.rollback(8)
     assert cache.pos.tolist() == [8]
     plain = ModelCache.empty(model.cfg, 1)
-    _run(model, memory, plain, _tokens(model.cfg, 10, 7))
+    _run(rt, plain, _tokens(model.cfg, 10, 7))
     with pytest.raises(ValueError, match="only the last 0 tokens"):
         plain.rollback(9)

@@ -32,6 +32,7 @@ from openflash.engine.sampling import SamplingParams
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.serve.app import ServerConfig, build_app
 from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
 
@@ -93,7 +94,7 @@ def stack(tmp_path_factory):
         torch.manual_seed(0)
         model = Transformer(cfg)  # the engine addresses its Engram tables through `tok`'s token map
         model.set_numerics(NUMERICS["plain"]).eval()
-        yield model, tok
+        yield Runtime.of(model, tok)
     finally:
         if old_cache is None:
             os.environ.pop("OPENFLASH_CACHE", None)
@@ -101,17 +102,17 @@ def stack(tmp_path_factory):
             os.environ["OPENFLASH_CACHE"] = old_cache
 
 
-def make_app(model, tok, server_kw=None, **engine_kw):
+def make_app(rt, server_kw=None, **engine_kw):
     config = dict(max_batch=32, max_context=MAX_CONTEXT, prefill_chunk=32, max_step_tokens=256)
-    engine = LLMEngine(model, tok, EngineConfig(**{**config, **engine_kw}))
-    fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
-    return engine, build_app(engine, tok, ServerConfig(NAME, fmt, drain_timeout=2.0, **(server_kw or {})))
+    engine = LLMEngine(rt, EngineConfig(**{**config, **engine_kw}))
+    fmt = chat_format(rt.tokenizer, rt.cfg.bos_token_id, rt.cfg.eos_token_id)
+    return engine, build_app(engine, rt.tokenizer, ServerConfig(NAME, fmt, drain_timeout=2.0, **(server_kw or {})))
 
 
 @pytest.fixture(scope="module")
 def live(stack):
-    model, tok = stack
-    engine, app = make_app(model, tok)
+    rt = stack
+    engine, app = make_app(rt)
     with LiveServer(app) as server:
         yield server, engine
     assert not engine.accepting and not engine.has_work()  # shut down with the server
@@ -128,8 +129,8 @@ def idle(engine: LLMEngine, timeout: float = 30.0) -> bool:
     return False
 
 
-def reference(model, tok, prompt, max_tokens: int) -> str:
-    return generate(model, tok, prompt, SamplingParams(max_tokens=max_tokens)).text
+def reference(rt, prompt, max_tokens: int) -> str:
+    return generate(rt, prompt, SamplingParams(max_tokens=max_tokens)).text
 
 
 # ---- completions and chat ----------------------------------------------------------------------------------------
@@ -137,11 +138,12 @@ def reference(model, tok, prompt, max_tokens: int) -> str:
 
 def test_completions_stream_equals_nonstream_equals_sequential(live, stack):
     server, engine = live
-    model, tok = stack
+    rt = stack
+    tok = rt.tokenizer
     client = server.client()
     prompt = "def split(self, text):\n    "
     full = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
-    want = reference(model, tok, prompt, 8)
+    want = reference(rt, prompt, 8)
     assert full.choices[0].text == want
     n_prompt = len(tok.encode(prompt).ids)
     assert full.usage.prompt_tokens == n_prompt
@@ -156,13 +158,14 @@ def test_completions_stream_equals_nonstream_equals_sequential(live, stack):
     ids = tok.encode("import re").ids
     multi = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, n=2, echo=True)
     assert [c.index for c in multi.choices] == [0, 1]
-    assert multi.choices[0].text == multi.choices[1].text == "import re" + reference(model, tok, ids, 3)
+    assert multi.choices[0].text == multi.choices[1].text == "import re" + reference(rt, ids, 3)
     assert multi.usage.prompt_tokens == len(ids)
 
 
 def test_chat_stream_and_nonstream(live, stack):
     server, engine = live
-    model, tok = stack
+    rt = stack
+    tok = rt.tokenizer
     client = server.client()
     messages = [{"role": "system", "content": "You wrap text."}, {"role": "user", "content": "Wrap this line."}]
     full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
@@ -172,7 +175,7 @@ def test_chat_stream_and_nonstream(live, stack):
     ids = tok.encode(rendered, add_special_tokens=False).ids
     assert full.usage.prompt_tokens == len(ids)
     assert full.choices[0].message.role == "assistant"
-    assert full.choices[0].message.content == reference(model, tok, ids, 6)
+    assert full.choices[0].message.content == reference(rt, ids, 6)
     stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -187,7 +190,7 @@ def test_chat_stream_and_nonstream(live, stack):
 
 def test_models_health_tokenize_detokenize_metrics(live, stack):
     server, engine = live
-    _, tok = stack
+    tok = stack.tokenizer
     client = server.client()
     models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
@@ -328,8 +331,8 @@ def test_invalid_values_that_used_to_pass(live):
 
 
 def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
-    model, tok = stack
-    engine, app = make_app(model, tok, server_kw=dict(max_request_bytes=64 << 10))
+    rt = stack
+    engine, app = make_app(rt, server_kw=dict(max_request_bytes=64 << 10))
     with LiveServer(app) as server:
         big = {"model": NAME, "prompt": "x = 1\n" * (200 << 10), "max_tokens": 1}
         r = httpx.post(server.url + "/v1/completions", json=big, timeout=30)
@@ -346,7 +349,7 @@ def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
         assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
         assert httpx.get(server.url + "/health").status_code == 200
     # The default limit (32 MiB) refuses a 40 MiB prompt before reading it.
-    engine, app = make_app(model, tok)
+    engine, app = make_app(rt)
     with LiveServer(app) as server:
         r = httpx.post(server.url + "/v1/completions", timeout=30,
                        json={"model": NAME, "prompt": "z" * (40 << 20), "max_tokens": 1})
@@ -355,7 +358,8 @@ def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
 
 def test_tokenization_runs_off_the_event_loop(stack):
     """While one request is being tokenized, /health answers: the tokenizer runs in a worker thread."""
-    model, tok = stack
+    rt = stack
+    model, tok = rt.model, rt.tokenizer
     tokenizing, release = threading.Event(), threading.Event()
 
     class BlockingTokenizer:  # the real tokenizer, held at encode_batch until the test lets go
@@ -367,7 +371,7 @@ def test_tokenization_runs_off_the_event_loop(stack):
             assert release.wait(30)
             return tok.encode_batch(*args, **kwargs)
 
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
     fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
     app = build_app(engine, BlockingTokenizer(), ServerConfig(NAME, fmt, drain_timeout=2.0))
     with LiveServer(app) as server, ThreadPoolExecutor(1) as pool:
@@ -381,8 +385,8 @@ def test_tokenization_runs_off_the_event_loop(stack):
 
 
 def test_api_key(stack):
-    model, tok = stack
-    engine, app = make_app(model, tok, server_kw=dict(api_key="s3cret"))
+    rt = stack
+    engine, app = make_app(rt, server_kw=dict(api_key="s3cret"))
     with LiveServer(app) as server:
         url = server.url
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -398,8 +402,8 @@ def test_api_key(stack):
 
 
 def test_queue_full_is_429(stack):
-    model, tok = stack
-    engine, app = make_app(model, tok, max_waiting=1)
+    rt = stack
+    engine, app = make_app(rt, max_waiting=1)
     client = TestClient(app)  # no lifespan: the engine thread never starts, so the queue stays full
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
@@ -433,7 +437,7 @@ def test_client_disconnect_cancels_the_sequence(live):
 
 def test_32_concurrent_requests_equal_sequential(live, stack):
     server, engine = live
-    model, tok = stack
+    rt = stack
     words = ["def", "class", "import", "return", "while", "lambda", "yield", "with"]
     prompts = [f"{words[i % 8]} {words[(i * 3) % 8]}_{i}(" for i in range(32)]
     client = server.client()
@@ -443,13 +447,13 @@ def test_32_concurrent_requests_equal_sequential(live, stack):
 
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(ask, prompts))
-    assert got == [reference(model, tok, p, 4) for p in prompts]
+    assert got == [reference(rt, p, 4) for p in prompts]
     assert idle(engine)
 
 
 def test_shutdown_aborts_what_does_not_drain(stack):
-    model, tok = stack
-    engine, app = make_app(model, tok)
+    rt = stack
+    engine, app = make_app(rt)
     with LiveServer(app, graceful=0.5) as server:
         stream = server.client().completions.create(model=NAME, prompt="x", max_tokens=200, temperature=0,
                                                     stream=True, extra_body={"ignore_eos": True})
@@ -503,7 +507,7 @@ def test_openflash_serve_command(tmp_path):
 
 def test_simple_template_takes_tools_as_text_and_refuses_what_it_cannot_do(live, stack):
     server, _ = live
-    _, tok = stack
+    tok = stack.tokenizer
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
     messages = [{"role": "user", "content": "Find x."},
                 {"role": "assistant", "content": "", "tool_calls": [

@@ -24,6 +24,7 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.serve.app import ServerConfig, build_app
 from openflash.tokenizer import load_tokenizer
 
@@ -86,7 +87,7 @@ def served(tmp_path_factory):
                                           engram_compressed_vocab_size=int(token_map.max()) + 1, image_token_id=None)
         torch.manual_seed(0)
         model = Transformer(cfg).set_numerics(NUMERICS["plain"]).eval()
-        engine = ScriptedEngine(model, tok, EngineConfig(max_batch=8, max_context=2048, prefill_chunk=256,
+        engine = ScriptedEngine(Runtime.of(model, tok), EngineConfig(max_batch=8, max_context=2048, prefill_chunk=256,
                                                          max_step_tokens=2048))
         fmt = chat_format(tok, cfg.bos_token_id, cfg.eos_token_id)
         assert fmt.name == "deepseek-v4.1"

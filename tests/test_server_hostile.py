@@ -17,8 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def live(stack):  # noqa: F811
-    model, tok = stack
-    engine, app = make_app(model, tok, server_kw=dict(body_timeout=1.0))
+    rt = stack
+    engine, app = make_app(rt, server_kw=dict(body_timeout=1.0))
     with LiveServer(app) as server:
         yield server, engine
 
@@ -54,7 +54,8 @@ def test_deeply_nested_tool_arguments_are_400s_naming_the_field(live):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(stack):  # noqa: F811
-    model, tok = stack
+    rt = stack
+    tok = rt.tokenizer
     calls = []
 
     class CountingTokenizer:  # the real tokenizer, counting the characters it is asked to encode
@@ -69,7 +70,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(stack):  # noqa: 
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.serve.app import ServerConfig, build_app
 
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, max_context=MAX_CONTEXT))
     app = build_app(engine, CountingTokenizer(), ServerConfig(NAME, chat_format(tok, 0, 1), drain_timeout=1.0))
     huge = "def f(x):\n    return x\n" * (400 << 10)  # 9.8 MB
     with LiveServer(app) as server:
@@ -120,8 +121,8 @@ def test_a_stalled_upload_times_out(live):
 
 
 def test_the_api_key_covers_the_schema_and_cannot_be_empty(stack, capsys, monkeypatch):  # noqa: F811
-    model, tok = stack
-    _, app = make_app(model, tok, server_kw=dict(api_key="s3cret"))
+    rt = stack
+    _, app = make_app(rt, server_kw=dict(api_key="s3cret"))
     with LiveServer(app) as server:
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert httpx.get(server.url + path).status_code == 404, path

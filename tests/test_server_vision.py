@@ -47,9 +47,9 @@ def _message(url: str, text: str = "What is in this image?") -> list[dict]:
 def vl_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("images")
     (folder / "cat.png").write_bytes(_png(60, 80, seed=5))
-    loaded = open_model("tiny-vl")
-    model, tok = loaded.model, loaded.tokenizer
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=4, max_context=512, prefill_chunk=32), loaded.memory())
+    rt = open_model("tiny-vl")
+    model, tok = rt.model, rt.tokenizer
+    engine = LLMEngine(rt, EngineConfig(max_batch=4, max_context=512, prefill_chunk=32))
     fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
     policy = ImagePolicy(ImageLimits(max_bytes=200_000, max_pixels=2_000_000), max_images=2, local_dir=folder)
     app = build_app(engine, tok, ServerConfig(NAME, fmt, drain_timeout=2.0, images=policy))
@@ -84,7 +84,7 @@ def test_image_chat_through_the_openai_client(vl_server):
 
 def test_streamed_image_chat_equals_plain_generation(vl_server):
     server, engine, _ = vl_server
-    model, tok = engine.model, engine.tokenizer
+    rt, model = engine.runtime, engine.model
     png = _png(40, 120, 3)
     messages = _message(_url(png), text="Caption:")
     stream = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
@@ -92,7 +92,7 @@ def test_streamed_image_chat_equals_plain_generation(vl_server):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     ids = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": messages}).json()["tokens"]
     span = PromptImage(ids.index(model.cfg.image_token_id), prepare_image(png, model.cfg.vision))
-    want = generate(model, tok, ids, SamplingParams(max_tokens=5, temperature=0), images=[span])
+    want = generate(rt, ids, SamplingParams(max_tokens=5, temperature=0), images=[span])
     assert text == want.text
 
 
@@ -146,16 +146,16 @@ def test_local_image_files_only_under_the_allowed_folder(vl_server):
 
 
 def test_a_text_model_refuses_images_and_local_files_are_off_by_default():
-    loaded = open_model("tiny")
-    model, tok = loaded.model, loaded.tokenizer
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=1, max_context=256), loaded.memory())
+    rt = open_model("tiny")
+    model, tok = rt.model, rt.tokenizer
+    engine = LLMEngine(rt, EngineConfig(max_batch=1, max_context=256))
     fmt = chat_format(tok, model.cfg.bos_token_id, model.cfg.eos_token_id)
     with LiveServer(build_app(engine, tok, ServerConfig("tiny", fmt, drain_timeout=2.0))) as server:
         r = httpx.post(server.url + "/v1/chat/completions",
                        json={"model": "tiny", "messages": _message(_url(_png(20, 20))), "max_tokens": 2})
         assert r.status_code == 400 and "no vision tower" in _error(r)["message"]
     vl = open_model("tiny-vl")
-    engine = LLMEngine(vl.model, vl.tokenizer, EngineConfig(max_batch=1, max_context=256), vl.memory())
+    engine = LLMEngine(vl, EngineConfig(max_batch=1, max_context=256))
     with LiveServer(build_app(engine, vl.tokenizer, ServerConfig("tiny-vl", fmt, drain_timeout=2.0))) as server:
         r = httpx.post(server.url + "/v1/chat/completions",
                        json={"model": "tiny-vl", "messages": _message("/tmp/cat.png"), "max_tokens": 2})

@@ -10,17 +10,16 @@ import torch
 
 from openflash.checkpoint import count_by_dtype, load_checkpoint, resident_bytes
 from openflash.config import load_config
-from openflash.memory.placement import EngramMemory
+from openflash.runtime import Runtime
 from openflash.tools.synth import cut_config, synthesize
 from openflash.topology import LayerMode
 
 
 def _step(model, report, ids):
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
-    cache = model.new_cache(ids.shape[0])
-    logits = model.step(ids, cache, engram=memory.prepare(ids, cache))
-    token = logits.argmax(-1, keepdim=True)
-    return logits, model.step(token, cache, engram=memory.prepare(token, cache))
+    rt = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend)
+    cache = rt.new_cache(ids.shape[0])
+    logits = rt.step(ids, cache)
+    return logits, rt.decode(logits.argmax(-1), cache)
 
 
 def test_a_synthetic_tiny_checkpoint_is_official_and_loads_both_ways(tmp_path):

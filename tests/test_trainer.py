@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WithEngram
 
-from openflash.checkpoint import load_checkpoint
+from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
 from openflash.commands.train import train as train_command
 from openflash.errors import OpenflashError
 from openflash.files.manifest import MANIFEST_FILE, verify_manifest
 from openflash.files.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
-from openflash.memory.placement import EngramMemory
+from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)
@@ -56,9 +55,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
-def _with_engram(model, dataset: Path) -> WithEngram:
-    """The model with its device-tier Engram memory, addressed through the dataset's tokenizer."""
-    return WithEngram(model, EngramMemory.attach(model, "device", tokenizer=load_tokenizer(dataset / "tokenizer.json")))
+def _runtime(model, dataset: Path) -> Runtime:
+    """The model's runtime, its Engram tables addressed through the dataset's tokenizer."""
+    return Runtime.of(model, load_tokenizer(dataset / "tokenizer.json"))
 
 
 def _fit(dataset: Path, out: Path, on_step=None, **overrides) -> tuple[Trainer, list[dict]]:
@@ -123,11 +122,12 @@ def test_newton_schulz_orthogonalises() -> None:
 
 def test_router_bias_balancing(dataset: Path) -> None:
     from openflash.model.transformer import Transformer
-    model = _with_engram(Transformer(training_model_config("tiny", dataset / "tokenizer.json")).train(), dataset)
+    rt = _runtime(Transformer(training_model_config("tiny", dataset / "tokenizer.json")).train(), dataset)
+    model = rt.model
     n_layers = len(model.layers)
     assert expert_loads(model).shape == (n_layers, 8) and expert_loads(model).sum() == 0
     x = torch.randint(3, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    model(x, x)
+    rt.forward(x, x)
     loads = expert_loads(model)
     assert torch.equal(loads.sum(1), torch.full((n_layers,), 2 * 24 * 2.0))  # 2 experts per token
     update_router_bias(model, loads, rate=0.01)
@@ -178,13 +178,14 @@ def test_fused_training_forward_matches_unfused(dataset: Path) -> None:
     cfg = training_model_config("tiny", dataset / "tokenizer.json").replace(num_experts_per_tok=8, index_topk=32,
                                                                              candidate_topk_blocks=8)
     torch.manual_seed(0)
-    model = _with_engram(Transformer(cfg).train(), dataset)
+    rt = _runtime(Transformer(cfg).train(), dataset)
+    model = rt.model
     x = torch.randint(3, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     results = []
     for fused in (False, True):
         model.set_numerics(dataclasses.replace(TRAIN, cache_qdq=False, fused_train_ops=fused))
         model.zero_grad(set_to_none=True)
-        out = model(x, x)
+        out = rt.forward(x, x)
         (out.loss + 0.1 * out.indexer_loss).backward()
         results.append((out.loss.item(), out.indexer_loss.item(),
                         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
@@ -271,12 +272,12 @@ def test_metrics_checkpoint_and_generation(dataset: Path, tmp_path: Path) -> Non
     vocab = load_tokenizer(dataset / "tokenizer.json").get_vocab_size(with_added_tokens=True)
     assert saved["text_config"]["vocab_size"] == vocab and "image_token_id" not in saved
     # The checkpoint is an ordinary model folder: the inference loader reads it and reproduces the weights.
-    model, _ = load_checkpoint(ckpt)
+    rt = open_model(str(ckpt), weights="dequantized")
     for name, t in trainer.model.state_dict().items():
-        assert torch.equal(model.state_dict()[name], t), name
+        assert torch.equal(rt.model.state_dict()[name], t), name
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
-    out = generate(model, load_tokenizer(ckpt / "tokenizer.json"), "def function_1", SamplingParams(max_tokens=5))
+    out = generate(rt, "def function_1", SamplingParams(max_tokens=5))
     assert len(out.token_ids) == 5
 
 

@@ -17,8 +17,8 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import ConfigError, RequestError
-from openflash.memory.placement import EngramMemory
 from openflash.model.vision import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
+from openflash.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import (ImageError, ImageLimits, decode_image, num_image_tokens, plan_grid,
                                          prepare_image, usable_aspect)
@@ -181,43 +181,41 @@ def test_vision_config_errors_name_the_key():
 def vl():
     cfg = load_config("tiny-vl")
     torch.manual_seed(0)
-    model = build_model(cfg, "fp32").eval()
-    return model, preset_tokenizer(cfg)
+    return Runtime.of(build_model(cfg, "fp32").eval(), preset_tokenizer(cfg))
 
 
 def _prompt(vl, seed: int = 0, text: str = "Look: <image> and tell me what you see in it, please."):
-    model, tok = vl
-    return text_prompt(tok, text, [_noise(70, 90, seed)], model.cfg)
+    return text_prompt(vl.tokenizer, text, [_noise(70, 90, seed)], vl.cfg)
 
 
 def test_an_image_changes_the_logits_and_its_delimiters_take_the_learned_vectors(vl):
-    model, tok = vl
+    rt = vl
+    model = rt.model
     ids, images = _prompt(vl)
     img = images[0].image
     rows = model.encode_image(img.patches, img.grid.n_vit_h, img.grid.n_vit_w, img.types)
     assert torch.equal(rows[0], model.image_start.detach()) and torch.equal(rows[-1], model.image_end.detach())
     assert torch.equal(rows[img.types == IMAGE_NEW_LINE][0], model.image_newline.detach())
-    a = generate(model, tok, ids, SamplingParams(max_tokens=4, temperature=0), images=images)
+    a = generate(rt, ids, SamplingParams(max_tokens=4, temperature=0), images=images)
     other_ids, other = _prompt(vl, seed=1)
-    b = generate(model, tok, other_ids, SamplingParams(max_tokens=4, temperature=0), images=other)
+    b = generate(rt, other_ids, SamplingParams(max_tokens=4, temperature=0), images=other)
     assert ids == other_ids and a.token_ids != b.token_ids  # same ids, different image, different output
 
 
 @pytest.mark.parametrize("mode", ["exact", "bounded"])
 def test_image_span_split_across_prefill_chunks_matches_one_chunk(vl, mode):
-    model, tok = vl
+    rt = vl
+    model = rt.model
     ids, images = _prompt(vl)
-    mem = EngramMemory.attach(model, "device", tokenizer=tok)
     span = images[0]
     outs = []
     for chunk in (len(ids), span.start + 3):  # one chunk; a cut through the span
-        cache = model.new_cache(1)
+        cache = rt.new_cache(1)
         encoded = EncodedImages(images, model)
         for i in range(0, len(ids), chunk):
             x = torch.tensor([ids[i:i + chunk]])
             rows = encoded.window(i, i + x.shape[1], model.device)
-            logits = model.step(x, cache, mode=mode, last_chunk=i + chunk >= len(ids),
-                                engram=mem.prepare(x, cache, None if rows is None else rows.mask), images=rows)
+            logits = rt.step(x, cache, mode=mode, last_chunk=i + chunk >= len(ids), images=rows)
         outs.append(logits)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
@@ -236,18 +234,18 @@ def _fake(digest: str):
 
 @pytest.mark.parametrize("restore", ["snapshot", "replay"])
 def test_engine_with_images_matches_plain_generation_and_prefix_cache_never_confuses_images(vl, restore):
-    model, tok = vl
+    rt = vl
+    model, tok = rt.model, rt.tokenizer
     params = SamplingParams(max_tokens=5, temperature=0)
     # A 112x112 image is a 14-token span, so the first 16-token block holds it and stays within the 16-token
     # window: a replay-restored prefix is then exact too.
     prompts = [text_prompt(tok, "<image> What is in this picture?", [_noise(112, 112, seed)],
                            model.cfg) for seed in (0, 1, 0)]
     assert prompts[0][1][0].end == 14 and 16 < len(prompts[0][0]) <= 32
-    want = [generate(model, tok, ids, params, images=images, prefill_chunk=16).token_ids for ids, images in prompts]
+    want = [generate(rt, ids, params, images=images, prefill_chunk=16).token_ids for ids, images in prompts]
     assert want[0] != want[1]
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=2, max_context=256, prefill_chunk=16, prefix_cache=True,
-                                                prefix_restore=restore, prefix_block_tokens=16),
-                       EngramMemory.attach(model, "device", tokenizer=tok))
+    engine = LLMEngine(rt, EngineConfig(max_batch=2, max_context=256, prefill_chunk=16, prefix_cache=True,
+                                                prefix_restore=restore, prefix_block_tokens=16))
     seqs = [engine.generate([ids], params, images=[images])[0] for ids, images in prompts]  # one at a time
     assert [s.output_ids for s in seqs] == want
     assert [s.num_cached for s in seqs] == [0, 0, 16]  # the other image never hits; the same image does
@@ -255,15 +253,15 @@ def test_engine_with_images_matches_plain_generation_and_prefix_cache_never_conf
 
 def test_packed_prefill_carries_each_prompts_image_rows(vl):
     """Image prompts of one length (and a text prompt) prefilled in one call: each row gets its own spans."""
-    model, tok = vl
+    rt = vl
+    model, tok = rt.model, rt.tokenizer
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = [text_prompt(tok, "<image> What is in this picture?", [_noise(112, 112, seed)], model.cfg)
                for seed in (0, 1)]
     prompts.append((prompts[0][0][:2] + [7] * (len(prompts[0][0]) - 2), []))  # text only, same length
-    want = [generate(model, tok, ids, params, images=images, prefill_chunk=16).token_ids
+    want = [generate(rt, ids, params, images=images, prefill_chunk=16).token_ids
             for ids, images in prompts]
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=3, max_context=256, prefill_chunk=16, prefix_cache=False),
-                       EngramMemory.attach(model, "device", tokenizer=tok))
+    engine = LLMEngine(rt, EngineConfig(max_batch=3, max_context=256, prefill_chunk=16, prefix_cache=False))
     seqs = engine.generate([ids for ids, _ in prompts], params, images=[images for _, images in prompts])
     assert [s.output_ids for s in seqs] == want
     assert engine.runner.prefill_calls == -(-len(prompts[0][0]) // 16)  # one call per chunk for all three
@@ -272,18 +270,18 @@ def test_packed_prefill_carries_each_prompts_image_rows(vl):
 def test_prompts_of_different_lengths_with_images_share_padded_calls(vl):
     """Image prompts of different lengths (and a shorter text prompt) right-padded into shared calls: each row gets
     its own spans, the padding none; outputs equal plain generation, in fewer calls than without padding."""
-    model, tok = vl
+    rt = vl
+    model, tok = rt.model, rt.tokenizer
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = [text_prompt(tok, text, [_noise(112, 112, seed)], model.cfg)
                for seed, text in ((0, "<image> What is in this picture?"), (1, "Look at this: <image> What do you see in it, exactly?"))]
     prompts.append((prompts[0][0][:2] + [7] * 5, []))  # text only, 7 tokens
     assert len({len(ids) for ids, _ in prompts}) == 3
-    want = [generate(model, tok, ids, params, images=images, prefill_chunk=64).token_ids for ids, images in prompts]
+    want = [generate(rt, ids, params, images=images, prefill_chunk=64).token_ids for ids, images in prompts]
     calls = []
     for padding in (0.0, 0.75):
-        engine = LLMEngine(model, tok, EngineConfig(max_batch=3, max_context=256, prefill_chunk=64, prefix_cache=False,
-                                                    prefill_padding=padding),
-                           EngramMemory.attach(model, "device", tokenizer=tok))
+        engine = LLMEngine(rt, EngineConfig(max_batch=3, max_context=256, prefill_chunk=64, prefix_cache=False,
+                                                    prefill_padding=padding))
         seqs = engine.generate([ids for ids, _ in prompts], params, images=[images for _, images in prompts])
         assert [s.output_ids for s in seqs] == want
         calls.append(engine.runner.prefill_calls)
@@ -291,10 +289,10 @@ def test_prompts_of_different_lengths_with_images_share_padded_calls(vl):
 
 
 def test_engine_refuses_images_for_a_text_model_and_bad_spans(vl):
-    model, tok = vl
+    rt = vl
+    tok = rt.tokenizer
     ids, images = _prompt(vl)
-    engine = LLMEngine(model, tok, EngineConfig(max_batch=1, max_context=256),
-                       EngramMemory.attach(model, "device", tokenizer=tok))
+    engine = LLMEngine(rt, EngineConfig(max_batch=1, max_context=256))
     with pytest.raises(RequestError, match="must all hold the image token id"):
         engine.add_request(ids[:-1] + [3] if images[0].end == len(ids) else
                            ids[:images[0].start] + [3] + ids[images[0].start + 1:], SamplingParams(), images=images)
@@ -304,7 +302,8 @@ def test_engine_refuses_images_for_a_text_model_and_bad_spans(vl):
 
 
 def test_vision_weights_round_trip_in_the_official_dtypes(vl, tmp_path):
-    model, tok = vl
+    rt = vl
+    model = rt.model
     folder = save_checkpoint(model, tmp_path / "ckpt", dtype="fp8")
     from safetensors import safe_open
     with safe_open(str(folder / "model.safetensors"), "pt") as f:

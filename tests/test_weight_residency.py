@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from openflash.checkpoint import choose_residency, load_checkpoint, resident_bytes
+from openflash.checkpoint import choose_residency, load_checkpoint, open_model, resident_bytes
 from openflash.errors import CheckpointError
-from openflash.memory.placement import EngramMemory
 from openflash.model import layers
 from openflash.tools.parity import run_golden
 
@@ -18,16 +17,14 @@ GOLDENS = Path(__file__).parent / "goldens"
 
 
 def _run(folder: Path, weights: str) -> tuple[list[torch.Tensor], int]:
-    model, report = load_checkpoint(folder, weights=weights)
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
+    rt = open_model(str(folder), weights=weights)
     torch.manual_seed(1)
-    ids = torch.randint(3, model.cfg.vocab_size - 8, (2, 40))
-    cache = model.new_cache(2)
-    out = [model.step(ids, cache, engram=memory.prepare(ids, cache))]
+    ids = torch.randint(3, rt.cfg.vocab_size - 8, (2, 40))
+    cache = rt.new_cache(2)
+    out = [rt.step(ids, cache)]
     for _ in range(3):
-        token = out[-1].argmax(-1, keepdim=True)
-        out.append(model.step(token, cache, engram=memory.prepare(token, cache)))
-    return out, resident_bytes(model)
+        out.append(rt.decode(out[-1].argmax(-1), cache))
+    return out, resident_bytes(rt.model)
 
 
 @pytest.mark.parametrize("golden", ["A2", "B2"])

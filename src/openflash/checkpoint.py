@@ -22,7 +22,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -38,15 +38,13 @@ from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import TokenMap, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
-from openflash.vision.preprocess import ImageSource
-from openflash.vision.prompt import PromptImage, text_prompt
 
 log = logging.getLogger("openflash.checkpoint")
 
@@ -121,43 +119,6 @@ def build_model(cfg: FlashConfig, numerics: str | Numerics = "fp32", *,
     return model.set_numerics(NUMERICS[numerics] if isinstance(numerics, str) else numerics)
 
 
-@dataclass
-class LoadedModel:
-    """A model ready to run: the model, its tokenizer, its Engram frontend (None without Engram layers)."""
-
-    model: Transformer
-    tokenizer: Tokenizer
-    engram_frontend: EngramFrontend | None
-    note: str  # what was loaded, for logs
-    experts: ExpertStore | None = None  # the routed experts when they are not the model's own (host / disk)
-    tokenizer_source: str = ""  # which tokenizer was loaded (a path, or why DeepSeek's), for error messages
-
-    def prompt_ids(self, prompt: str | list[int], images: Sequence[ImageSource] = ()) -> tuple[list[int],
-                                                                                            list[PromptImage]]:
-        """A prompt's token ids (text through the tokenizer, with images placed; ids as given) and image spans,
-        checked against the model's vocabulary with an error naming the tokenizer that produced them."""
-        if isinstance(prompt, str):
-            ids, placed = text_prompt(self.tokenizer, prompt, images, self.model.cfg)
-        elif images:
-            raise CheckpointError("images come with a text prompt (its <image> placeholders), not with token ids")
-        else:
-            ids, placed = list(prompt), []
-        vocab = self.model.cfg.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            made = f"; the ids came from {self.tokenizer_source}: give the model's own with --tokenizer PATH" \
-                if isinstance(prompt, str) else ""
-            raise CheckpointError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
-                                  + made)
-        if not ids:
-            raise CheckpointError("the prompt is empty")
-        return ids, placed
-
-    def memory(self, placement: str = "device", **kwargs: Any) -> EngramMemory:
-        """The model's Engram memory in `placement` (EngramMemory.attach's keyword arguments)."""
-        return EngramMemory.attach(self.model, placement, frontend=self.engram_frontend, **kwargs)
-
-
 def checkpoint_folder(path: str | Path) -> Path:
     """A checkpoint folder as given, or the latest checkpoint of a training run folder."""
     folder = Path(path)
@@ -175,8 +136,8 @@ def checkpoint_folder(path: str | Path) -> Path:
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
                expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False) -> LoadedModel:
-    """The model (eval mode), tokenizer and Engram frontend of a preset name (random weights, seed 0, for smoke
+               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False) -> Runtime:
+    """The runtime (runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
     numerics on the compiled backend (model/compiled.py). expert_prefetch: with disk experts, decode steps start
     reading the experts the routers predict (memory/experts.py)."""
@@ -194,10 +155,10 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
-        return LoadedModel(build_model(cfg, policy, device=device).eval(), tok, EngramFrontend.of(cfg, tok),
-                           f"preset '{spec}' with random weights (outputs are noise)",
-                           tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
-                           f"preset {spec!r}'s cut of the DeepSeek tokenizer")
+        return Runtime.of(build_model(cfg, policy, device=device).eval(), tok,
+                          note=f"preset '{spec}' with random weights (outputs are noise)",
+                          tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
+                          f"preset {spec!r}'s cut of the DeepSeek tokenizer")
     offload = expert_placement != "device"
     model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
                                     weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
@@ -205,7 +166,8 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
                         device, group=expert_group, prefetch=expert_prefetch) if offload else None
     note = report.summary() + (f"; routed experts on {expert_placement}" +
                                (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
-    return LoadedModel(model, report.tokenizer, report.engram_frontend, note, store, report.tokenizer_source)
+    return Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, note=note,
+                      tokenizer_source=report.tokenizer_source, folder=checkpoint_folder(spec))
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from openflash.checkpoint import LoadedModel, open_model
+from openflash.checkpoint import open_model
 from openflash.engine.generate import generate as generate_text
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-from openflash.files.manifest import verify_manifest
+from openflash.runtime import DISK_ROW_CACHE_BYTES, Runtime
 
 log = logging.getLogger("openflash.serve")
 
@@ -73,18 +72,14 @@ def _expert_group(args: Any) -> Any:
     return init_from_env()
 
 
-def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
+def _generate(loaded: Runtime, args: Any, engram: str) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     ids, images = loaded.prompt_ids(args.prompt if args.prompt_ids is None else args.prompt_ids, args.image)
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params, ids, images)
-    scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-    memory = loaded.memory() if engram == "device" else serving_memory(
-        loaded, engram, args.model, Path(scratch.name), cache_bytes=getattr(args, "engram_cache_bytes", 0) or
-        DISK_ROW_CACHE_BYTES)
-    result = generate_text(loaded.model, loaded.tokenizer, ids, params, mode=args.prefill_mode, memory=memory,
-                           images=images, experts=loaded.experts)
+    loaded.place_engram(engram, cache_bytes=getattr(args, "engram_cache_bytes", 0) or DISK_ROW_CACHE_BYTES)
+    result = generate_text(loaded, ids, params, mode=args.prefill_mode, images=images)
     print(f"# {loaded.note}")
     print(_shown_prompt(loaded, args) + result.text)
     if args.prompt_ids is not None:
@@ -99,19 +94,18 @@ def _generate(loaded: LoadedModel, args: Any, engram: str) -> int:
     return 0
 
 
-def _shown_prompt(loaded: LoadedModel, args: Any) -> str:
+def _shown_prompt(loaded: Runtime, args: Any) -> str:
     return args.prompt if args.prompt_ids is None else loaded.tokenizer.decode(args.prompt_ids)
 
 
-def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams, ids: list[int],
+def _generate_speculative(loaded: Runtime, args: Any, params: SamplingParams, ids: list[int],
                           images: list[Any]) -> int:
     """`generate --speculative dspark`: the engine's speculative rounds on one request."""
     from openflash.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
+    engine = LLMEngine(loaded, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens, prefill_mode=args.prefill_mode), loaded.memory(),
-        loaded.experts)
+        num_speculative_tokens=args.num_speculative_tokens, prefill_mode=args.prefill_mode))
     seq = engine.generate([ids], params, images=[images])[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
@@ -124,45 +118,6 @@ def _generate_speculative(loaded: LoadedModel, args: Any, params: SamplingParams
           f"{m.spec_accepted}/{m.spec_drafted} drafts accepted; decode {(len(seq.output_ids) - 1) / decode:.1f} "
           f"tokens/s")
     return 0
-
-
-DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for --engram-placement disk
-
-
-def serving_memory(loaded: LoadedModel, placement: str, model_arg: str, scratch: Path, table_dir: str | None = None,
-                   cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> Any:
-    """The Engram memory of --engram-placement (memory/placement.py). The disk tier reads `<model
-    folder>/engram_tables/` if present, else table files exported from the model into `scratch`."""
-    from openflash.memory.table_file import table_file_name, write_table_file
-
-    model = loaded.model
-    if placement == "device":
-        return loaded.memory("device")
-
-    if placement == "sharded":
-        raise OpenflashError("--engram-placement sharded splits the tables over a torch.distributed group, which "
-                             "`generate` and `serve` do not set up for them (with or without --expert-parallel): use "
-                             "host or disk")
-    cfg = model.cfg
-    quantized = model.quantize_engram_tables()  # host and disk tiers hold FP8 rows (checkpoint row format)
-    if quantized:
-        log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
-    if placement != "disk":
-        return loaded.memory(placement)
-    folder = Path(table_dir) if table_dir else Path(model_arg) / "engram_tables"
-    if table_dir and not folder.is_dir():
-        raise OpenflashError(f"--engram-table-dir {table_dir}: not a folder (write one with `openflash engram export`)")
-    if verify and folder.is_dir():
-        log.info("%s", verify_manifest(folder).summary())
-    if not folder.is_dir():
-        folder = scratch
-        fingerprint = loaded.engram_frontend.layout.layout_fingerprint()
-        tables = model.engram_tables()
-        for slot, lid in enumerate(cfg.engram_layer_ids):
-            write_table_file(folder / table_file_name(lid), tables[slot].weight.detach(), tables[slot].scale.detach(),
-                             fingerprint)
-        log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
-    return loaded.memory("disk", table_dir=str(folder), cache_bytes=cache_bytes, io_threads=io_threads)
 
 
 def serve(args: Any) -> int:
@@ -209,23 +164,22 @@ def serve(args: Any) -> int:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:
         log.info("loaded %s: %s", args.model, note)
-    scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-    memory = serving_memory(loaded, args.engram_placement, args.model, Path(scratch.name), args.engram_table_dir,
-                            args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, args.engram_io_threads, args.verify)
+    loaded.place_engram(args.engram_placement, table_dir=args.engram_table_dir,
+                        cache_bytes=args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, io_threads=args.engram_io_threads,
+                        verify=args.verify)
     speculate = args.engram_speculate if args.engram_placement != "device" else 0
-    engine = LLMEngine(model, tokenizer, EngineConfig(
+    engine = LLMEngine(loaded, EngineConfig(
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
         prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
         prefill_batch=args.prefill_batch, prefill_padding=args.prefill_padding, max_waiting=args.max_waiting,
         engram_speculate=speculate, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens),
-        memory, loaded.experts, None if group is None else Lockstep(group.rank, group.world_size))
+        None if group is None else Lockstep(group.rank, group.world_size))
     if group is not None and group.rank != 0:  # rank 0 serves HTTP; this rank runs the same engine steps
         log.info("rank %d of %d: stepping with rank 0's engine (%s)", group.rank, group.world_size, note)
         engine.follow()
         log.info("rank %d: rank 0 stopped the group", group.rank)
-        memory.close()
-        scratch.cleanup()
+        loaded.close()
         return 0
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
@@ -243,6 +197,5 @@ def serve(args: Any) -> int:
              stats["kv_storage"], args.engram_placement)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=int(config.drain_timeout))
-    memory.close()
-    scratch.cleanup()
+    loaded.close()
     return 0

@@ -1,6 +1,6 @@
 """LLMEngine: requests in, tokens out, with continuous batching, a paged global KV cache and prefix caching.
 
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_batch=16))
+    engine = LLMEngine(open_model("tiny"), EngineConfig(max_batch=16))     # a runtime (runtime.py) and a config
     rid = engine.add_request("def fib(n):", SamplingParams(max_tokens=32), on_output=print)
     while engine.has_work():
         engine.step()                      # or engine.start() for a background thread (the server)
@@ -40,12 +40,10 @@ from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
                                       validate_prompt)
-from openflash.engine.runner import PREFILL_MODES, ChunkTask, EngramTier, ModelRunner
+from openflash.engine.runner import PREFILL_MODES, ChunkTask, ModelRunner, ModelRuntime
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import EngramTableError, OpenflashError, RequestError
-from openflash.memory.placement import EngramMemory
-from openflash.model.context import ExpertSource
 from openflash.model.transformer import Transformer
 from openflash.vision.prompt import PromptImage, check_spans
 
@@ -124,6 +122,19 @@ def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
     return digest.hexdigest()
 
 
+class EngineRuntime(ModelRuntime, Protocol):
+    """What the engine needs of the model it serves (runtime.Runtime): the runner's steps, plus the tokenizer that
+    detokenizes outputs, why steps cannot run now, and counters for /metrics."""
+
+    tokenizer: Tokenizer
+
+    def problem(self) -> str | None:
+        """Why a step cannot run now (an Engram table that cannot serve rows), or None; from the server's thread."""
+
+    def stats(self) -> dict[str, Any]:
+        """engram, experts and decode_graph counters (Runtime.stats)."""
+
+
 class StepSync(Protocol):
     """Engine replicas on several ranks kept in step (implemented by engine/lockstep.py's Lockstep)."""
 
@@ -140,29 +151,30 @@ class StepSync(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 memory: EngramTier | None = None, experts: ExpertSource | None = None,
+    def __init__(self, runtime: EngineRuntime, config: EngineConfig = EngineConfig(),
                  lockstep: StepSync | None = None) -> None:
-        """lockstep: this engine is one of several replicas stepping together (expert-parallel serving)."""
+        """runtime: the model to serve with its Engram memory and experts (checkpoint.open_model, or Runtime.of for
+        a built model); lockstep: this engine is one of several replicas stepping together (expert-parallel
+        serving)."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"LLMEngine(runtime, config): config must be an EngineConfig, got {type(config).__name__} "
+                            f"(the runtime holds model and tokenizer: open_model(...) or Runtime.of(model, tokenizer))")
         self.config = config.validate()
+        model = runtime.model
         if lockstep is not None and config.prefix_cache_dir:
             raise OpenflashError("a persisted prefix cache (prefix_cache_dir) is not supported with expert "
                                  "parallelism: each rank would load and save its own")
         if config.kv_storage == "packed" and not model.numerics.cache_qdq:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
                                  f"cache QDQ; the model runs {model.numerics.name!r}")
-        self._engram_stats: dict | None = memory.stats() if memory is not None else None  # only an explicit tier
-        if memory is None:  # the model's own tables, addressed through the tokenizer's Engram token map
-            memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
-        self.model, self.tokenizer, self.memory = model, tokenizer, memory
+        self.runtime, self.model, self.tokenizer = runtime, model, runtime.tokenizer
+        self._runtime_stats = runtime.stats()  # snapshot for other threads (memory and store are single-threaded)
         self.cfg = model.cfg
         drafts = self._drafts(model, config)
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
-        self.runner = ModelRunner(model, self.factory, memory, config.prefill_mode, config.engram_speculate, drafts,
-                                  experts, config.prefill_batch, config.prefill_padding)
-        self.experts = experts
-        self._expert_stats: dict | None = experts.summary() if experts is not None else None
+        self.runner = ModelRunner(runtime, self.factory, config.prefill_mode, config.engram_speculate, drafts,
+                                  config.prefill_batch, config.prefill_padding)
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
@@ -259,7 +271,7 @@ class LLMEngine:
 
     def problem(self) -> str | None:
         """Why requests would fail now (an Engram tier that cannot be read), or None; for a server's /health."""
-        return self.memory.problem()
+        return self.runtime.problem()
 
     def has_work(self) -> bool:
         with self._lock:
@@ -340,10 +352,7 @@ class LLMEngine:
     def _end_step(self, start: float, outputs: Outputs) -> list[RequestOutput]:
         """Drop what finished from the batch, snapshot the counters other threads read, deliver the outputs."""
         self._flush_removals()
-        if self._engram_stats is not None:  # snapshot for other threads (the memory tier is single-threaded)
-            self._engram_stats = self.memory.stats()
-        if self.experts is not None:  # likewise the expert store's counters
-            self._expert_stats = self.experts.summary()
+        self._runtime_stats = self.runtime.stats()
         self.metrics.steps += 1
         self.metrics.step_time.observe(time.perf_counter() - start)
         for seq, out in outputs:
@@ -555,10 +564,8 @@ class LLMEngine:
             "prefix_cache": self.prefix_cache.summary() if self.prefix_cache is not None else None,
             "kv_bytes_in_use": pool.blocks_in_use * pool.block_bytes,
             "kv_pool_bytes": pool.nbytes(),
-            "engram": self._engram_stats,
-            "experts": self._expert_stats,
+            **self._runtime_stats,  # engram, experts, decode_graph
             "regroups": self.runner.regroups,
-            "decode_graph": self.model.decode_graph_stats(),
             "config": asdict(self.config),
         }
         return out

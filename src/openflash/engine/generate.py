@@ -11,13 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from tokenizers import Tokenizer
 
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
-from openflash.memory.placement import EngramMemory
-from openflash.model.context import ExpertSource
-from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import EncodedImages, PromptImage, check_spans, text_prompt
 
@@ -38,19 +35,15 @@ class GenerationResult:
 
 
 @torch.no_grad()
-def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], params: SamplingParams, *,
-             mode: str = "bounded", prefill_chunk: int = 512, memory: EngramMemory | None = None,
-             images: Sequence[ImageSource] | Sequence[PromptImage] = (),
-             experts: ExpertSource | None = None) -> GenerationResult:
+def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, *, mode: str = "bounded",
+             prefill_chunk: int = 512,
+             images: Sequence[ImageSource] | Sequence[PromptImage] = ()) -> GenerationResult:
     """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string.
 
-    memory: the model's Engram memory (default: its own tables, addressed through the tokenizer's token map).
     images: with a text prompt, PIL images, paths or encoded bytes, placed at each `<image>` of the text (or before
-    it); with a token-id prompt, its PromptImage spans (vision/prompt.py). experts: the routed experts' store for a
-    model loaded without them (memory/experts.py)."""
+    it); with a token-id prompt, its PromptImage spans (vision/prompt.py)."""
     params.validate()
-    if memory is None:
-        memory = EngramMemory.attach(model, "device", tokenizer=tokenizer)
+    model, tokenizer = runtime.model, runtime.tokenizer
     placed: list[PromptImage] = []
     if isinstance(prompt, str) and images:
         ids, placed = text_prompt(tokenizer, prompt, list(images), model.cfg)
@@ -70,7 +63,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
         raise OpenflashError(f"prompt token id {max(ids)} is outside the model's vocabulary ({model.cfg.vocab_size}): "
                              f"wrong tokenizer for this model?")
     device = model.device
-    cache = model.new_cache(1)
+    cache = runtime.new_cache(1)
     state = SamplerState.create(params)
     start = time.perf_counter()
     logits = None
@@ -78,9 +71,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
     for i in range(0, len(ids), prefill_chunk):
         chunk = torch.tensor([ids[i: i + prefill_chunk]], device=device)
         spans = encoded.window(i, i + chunk.shape[1], device)
-        logits = model.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids),
-                            engram=memory.prepare(chunk, cache, None if spans is None else spans.mask),
-                            images=spans, experts=experts)
+        logits = runtime.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids), images=spans)
     prefill_s = time.perf_counter() - start
     out: list[int] = []
     finish, text = "length", ""
@@ -98,7 +89,6 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | list[int], 
             break
         if len(out) >= params.max_tokens:
             break
-        step = torch.tensor([[token]], device=device)
-        logits = model.decode(step, cache, engram=memory.prepare(step, cache), experts=experts)
+        logits = runtime.decode(torch.tensor([token], device=device), cache)
     decode_s = time.perf_counter() - start
     return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)

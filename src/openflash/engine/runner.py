@@ -13,8 +13,8 @@ of finished sequences are dropped at once (`remove`), sequences that finished th
 decode. Regrouping copies the bounded per-row state (window rings, compressor open group, hash history) and only
 block tables of the global cache (engine/cache.py).
 
-Engram: the memory (any tier, `device` by default) hashes each chunk or decode step's token ids before the model
-runs, which starts fetching the rows, and the rows are handed down to the model's step (memory/placement.py).
+Engram and experts: each call goes through the runtime (runtime.py), which hashes the chunk or decode step's token
+ids before the model runs (starting the rows' fetch from any tier) and hands rows and expert store down.
 
 Images: a prompt's image spans are encoded (ViT + aligner) once, at its first chunk that reaches one, and each
 chunk gets the rows of the span positions inside it; the spans are DEAD for the Engram hash. Decode steps are text.
@@ -23,7 +23,7 @@ chunk gets the rows of the span positions inside it; the spans are DEAD for the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -31,8 +31,6 @@ from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
-from openflash.model.context import ExpertSource
-from openflash.model.engram import EngramRows
 from openflash.model.transformer import TargetHidden, Transformer
 from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask
@@ -58,34 +56,35 @@ class ChunkResult:
     error: Exception | None = None
 
 
-class EngramTier(Protocol):
-    """What the engine needs of an Engram memory (implemented by memory/placement.py's EngramMemory, any tier)."""
+class ModelRuntime(Protocol):
+    """What the engine needs of the model it runs (runtime.Runtime): steps that prepare their own Engram rows and
+    experts, the model for its config, caches and drafting."""
 
-    def prepare(self, input_ids: torch.Tensor, cache: ModelCache, image_mask: torch.Tensor | None = None,
-                lengths: torch.Tensor | None = None) -> EngramRows | None:
-        """The rows of a chunk or decode step after `cache` (hashing advances its history; image-span positions,
-        True in image_mask, are DEAD; lengths: right-padded rows, the history advancing by lengths[b]); fetching
-        starts now."""
+    model: Transformer
 
-    def prepare_replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache,
-                       image_mask: torch.Tensor | None = None) -> EngramRows | None:
-        """The rows of prompt_ids[start:stop] for a prefix replay, the hash history rebuilt from what precedes
-        (image_mask: [len(prompt_ids)], True on image-span positions)."""
+    def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
+             images: ImageRows | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits of a prefill chunk or decode step after `cache` (Transformer.step)."""
+
+    def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
+                    last_chunk: bool = True, images: ImageRows | None = None, lengths: torch.Tensor | None = None,
+                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+        """`step`, plus the drafter's input (Transformer.step_hidden)."""
+
+    def decode(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Logits [B, V] of one token per row."""
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
-        """Start fetching the rows of each row's k likeliest next tokens."""
+        """Start fetching the Engram rows of each row's k likeliest next tokens."""
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for /metrics."""
-
-    def problem(self) -> str | None:
-        """Why the tier cannot serve rows now, or None (EngramMemory.problem); called from the server's thread."""
+    def replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache, *, bounded: bool,
+               image_mask: torch.Tensor | None = None, images: ImageRows | None = None) -> None:
+        """Rebuild a restored prefix cache's bounded state from prompt_ids[start:stop]."""
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, factory: CacheFactory, memory: EngramTier, prefill_mode: str = "bounded",
-                 speculate_k: int = 0, drafts: int = 0, experts: ExpertSource | None = None,
-                 prefill_batch: int = 16, prefill_padding: float = 0.25) -> None:
+    def __init__(self, runtime: ModelRuntime, factory: CacheFactory, prefill_mode: str = "bounded",
+                 speculate_k: int = 0, drafts: int = 0, prefill_batch: int = 16, prefill_padding: float = 0.25) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if prefill_batch < 1:
@@ -94,11 +93,10 @@ class ModelRunner:
             raise ValueError(f"prefill_padding must be in [0, 1), got {prefill_padding}")
         self.prefill_batch = prefill_batch  # most prompt chunks packed into one model call
         self.prefill_padding = prefill_padding  # most of a packed call that may be padding
-        self.model, self.factory, self.prefill_mode = model, factory, prefill_mode
-        self.memory, self.speculate_k = memory, speculate_k
-        self.experts = experts  # routed experts outside the model (memory/experts.py), or None: its own
+        self.runtime, self.model, self.factory, self.prefill_mode = runtime, runtime.model, factory, prefill_mode
+        self.speculate_k = speculate_k
         self.drafts = drafts  # DSpark drafts verified per round (0: no speculative decoding)
-        self.device = model.device
+        self.device = runtime.model.device
         self.batch: ModelCache | None = None
         self.batch_ids: list[str] = []  # request id of each batch row
         self.regroups = 0
@@ -106,18 +104,6 @@ class ModelRunner:
         self._images: dict[str, EncodedImages] = {}  # prefilling requests with images: their encoded spans
 
     # ---- model calls ------------------------------------------------------------------------------------------
-    def _step(self, ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool, hidden: bool = False,
-              images: ImageRows | None = None,
-              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
-        """The model on ids after cache, with the Engram rows prepared first; with `hidden`, also the drafter's
-        input (Transformer.step_hidden). lengths: right-padded rows (Transformer.step)."""
-        rows = self.memory.prepare(ids, cache, None if images is None else images.mask, lengths)
-        if hidden:
-            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
-                                          experts=self.experts, lengths=lengths)
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
-                               experts=self.experts, lengths=lengths), None
-
     def _encoded(self, seq: Sequence) -> EncodedImages | None:
         """The sequence's image spans, encoded on first use (kept until its prefill ends)."""
         if not seq.images:
@@ -208,8 +194,12 @@ class ModelRunner:
             s.cache = None  # the call owns the state until it is split back
         self.prefill_calls += 1
         try:
-            logits, hidden = self._step(ids, batch, self.prefill_mode, last, hidden=bool(self.drafts),
-                                        images=images, lengths=lengths)
+            if self.drafts:
+                logits, hidden = self.runtime.step_hidden(ids, batch, mode=self.prefill_mode, last_chunk=last,
+                                                          images=images, lengths=lengths)
+            else:
+                logits, hidden = self.runtime.step(ids, batch, mode=self.prefill_mode, last_chunk=last,
+                                                   images=images, lengths=lengths), None
             if hidden is not None:  # the drafter's rings take the positions the target layers ran on
                 self.model.draft_seed(hidden, batch)
         except Exception:
@@ -243,10 +233,9 @@ class ModelRunner:
         order and their logits [B, V]."""
         ordered = self._regroup(seqs)
         tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
-        rows = self.memory.prepare(tokens.unsqueeze(1), self.batch)
-        logits = self.model.decode(tokens, self.batch, engram=rows, experts=self.experts)
+        logits = self.runtime.decode(tokens, self.batch)
         if self.speculate_k > 0:
-            self.memory.speculate(logits, self.batch, self.speculate_k)
+            self.runtime.speculate(logits, self.batch, self.speculate_k)
         return ordered, logits
 
     @torch.no_grad()
@@ -266,8 +255,7 @@ class ModelRunner:
         else:  # no room for drafts: a plain step (the rings still take the last position)
             model.draft_seed(hidden, batch)
             ids = anchor.unsqueeze(1)
-        logits, verified = model.step_hidden(ids, batch, engram=self.memory.prepare(ids, batch), all_logits=True,
-                                             experts=self.experts)
+        logits, verified = self.runtime.step_hidden(ids, batch, all_logits=True)
         results = []
         for b, seq in enumerate(ordered):
             drafts = ids[b, 1:].tolist()
@@ -334,12 +322,9 @@ class ModelRunner:
         Every owner layer's compressed view is published up front, so no compressor runs and the cached entries are
         never rewritten (Transformer.replay). In bounded mode only the encoder half runs.
         """
-        model, cfg, cache, prompt_ids = self.model, self.model.cfg, seq.cache, seq.prompt_ids
-        start = max(0, num_tokens - cfg.sliding_window)
-        ids = torch.tensor([prompt_ids[start:num_tokens]], dtype=torch.long, device=self.device)
-        mask = image_mask(len(prompt_ids), seq.images).to(self.device) if seq.images else None
-        rows = self.memory.prepare_replay(prompt_ids, start, num_tokens, cache, mask)
+        start = max(0, num_tokens - self.model.cfg.sliding_window)
+        mask = image_mask(len(seq.prompt_ids), seq.images).to(self.device) if seq.images else None
         encoded = self._encoded(seq)
         images = None if encoded is None else encoded.window(start, num_tokens, self.device)
-        model.replay(ids, cache, start, bounded=self.prefill_mode == "bounded", engram=rows, images=images,
-                     experts=self.experts)
+        self.runtime.replay(seq.prompt_ids, start, num_tokens, seq.cache, bounded=self.prefill_mode == "bounded",
+                            image_mask=mask, images=images)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +22,9 @@ from openflash.errors import OpenflashError
 from openflash.experiments.arms import ENGRAM_LAYERS, ENGRAM_MAX_NGRAM
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import find_table_primes
-from openflash.memory.placement import EngramMemory
 from openflash.memory.table_file import table_file_name, write_table_file
 from openflash.memory.tokenmap import build_compressed_token_map
-from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import Tokenizer
 
 TIERS = ("device", "host", "disk")
@@ -44,14 +42,8 @@ def offload_config(engram_arm: FlashConfig, tokenizer: Tokenizer, table_mib: int
                               engram_compressed_vocab_size=int(token_map.max()) + 1)
 
 
-@dataclass
-class Tier:
-    name: str
-    model: Transformer
-    memory: EngramMemory
-
-
-def build_tiers(cfg: FlashConfig, tokenizer: Tokenizer, table_dir: Path) -> list[Tier]:
+def build_tiers(cfg: FlashConfig, tokenizer: Tokenizer, table_dir: Path) -> dict[str, Runtime]:
+    """One runtime per tier, each over its own copy of one model (the device tier's is the original)."""
     from openflash.checkpoint import build_model
 
     torch.manual_seed(0)
@@ -62,27 +54,26 @@ def build_tiers(cfg: FlashConfig, tokenizer: Tokenizer, table_dir: Path) -> list
         table = reference.engram_tables()[slot]
         write_table_file(table_dir / table_file_name(lid), table.weight.detach(), table.scale.detach(),
                          frontend.layout.layout_fingerprint(), chunk_rows=1 << 18)
-    tiers = []
+    tiers = {}
     for name in TIERS:
-        model = reference if name == "device" else copy.deepcopy(reference)
-        memory = EngramMemory.attach(model, name, frontend=frontend,
-                                     table_dir=table_dir if name == "disk" else None)
-        tiers.append(Tier(name, model, memory))
+        tiers[name] = Runtime.of(reference if name == "device" else copy.deepcopy(reference), tokenizer,
+                                 frontend=frontend)
+        tiers[name].place_engram(name, table_dir=table_dir, cache_bytes=0)
     return tiers
 
 
-def ab_rounds(tiers: list[Tier], tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def ab_rounds(tiers: dict[str, Runtime], prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """One greedy generation per tier per prompt, the tier order rotated each round; tokens/s end to end."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rounds = []
     for r, prompt in enumerate(prompts):
-        order = tiers[r % len(tiers):] + tiers[:r % len(tiers)]
+        names = list(tiers)
         speeds, tokens = {}, {}
-        for tier in order:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
-            result = generate(tier.model, tokenizer, prompt, params, memory=tier.memory)
-            speeds[tier.name] = (len(prompt) + len(result.token_ids)) / (time.perf_counter() - start)
-            tokens[tier.name] = result.token_ids
+            result = generate(tiers[name], prompt, params)
+            speeds[name] = (len(prompt) + len(result.token_ids)) / (time.perf_counter() - start)
+            tokens[name] = result.token_ids
         if len({tuple(t) for t in tokens.values()}) != 1:
             raise OpenflashError(f"offload round {r}: the tiers generated different tokens {tokens}")
         rounds.append(speeds)

@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openflash.checkpoint import load_checkpoint
+from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
-from openflash.memory.placement import EngramMemory
 from openflash.model.mhc import collapse
-from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.topology import LayerMode
 from openflash.train.dataset import TokenDataset, eval_batches
 
@@ -36,15 +35,8 @@ class Recorder:
         return value
 
 
-@dataclass
-class TrainedModel:
-    model: Transformer
-    memory: EngramMemory
-
-
-def load_trained(checkpoint: Path) -> TrainedModel:
-    model, report = load_checkpoint(checkpoint)
-    return TrainedModel(model, EngramMemory.attach(model, "device", frontend=report.engram_frontend))
+def load_trained(checkpoint: Path) -> Runtime:
+    return open_model(str(checkpoint), weights="dequantized")
 
 
 def validation_windows(data_dir: Path, windows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,14 +55,14 @@ def validation_windows(data_dir: Path, windows: int, length: int) -> tuple[torch
 # ---- depth probe ----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def layer_states(trained: TrainedModel, inputs: torch.Tensor,
+def layer_states(trained: Runtime, inputs: torch.Tensor,
                  targets: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
     """Per layer: its output read out as the model reads its last layer's (the mHC streams collapsed with the
     block's own pre weights) [N*S, D], and the LogitLens loss of that read-out (the final norm and head applied
     to it; the last layer's is the model's own loss)."""
     model = trained.model
     probe = Recorder(("block",))
-    model(inputs, targets, engram=trained.memory.prefetch_batch(inputs), probe=probe)
+    trained.forward(inputs, targets, probe=probe)
     states, lens = [], []
     for i in range(len(model.layers)):
         h = collapse(probe.values[f"block{i}.out"], probe.values[f"block{i}.pre"], model.numerics)  # [N, S, D]
@@ -104,13 +96,13 @@ def reuse_pairs(topology) -> list[tuple[int, int, str]]:
 
 
 @torch.no_grad()
-def topk_agreement(trained: TrainedModel, inputs: torch.Tensor, pairs: list[tuple[int, int, str]]) -> list[dict]:
+def topk_agreement(trained: Runtime, inputs: torch.Tensor, pairs: list[tuple[int, int, str]]) -> list[dict]:
     """In a model where every compressed layer picks its own top-k (all-full), how much of layer j's selection
     equals that of the layer it would read under the released topology. Over queries that see more entries than
     k (otherwise both pick everything); `chance` is the overlap two uniform random selections would have."""
     model = trained.model
     probe = Recorder(("indexer",))
-    model(inputs, engram=trained.memory.prefetch_batch(inputs), probe=probe)
+    trained.forward(inputs, probe=probe)
     ratios = model.cfg.compress_ratios
     out = []
     for layer, owner, mode in pairs:
@@ -129,25 +121,23 @@ def topk_agreement(trained: TrainedModel, inputs: torch.Tensor, pairs: list[tupl
 # ---- CED bounded replay ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def replay_nll(trained: TrainedModel, windows: torch.Tensor, prompt_len: int, decode: int) -> dict:
+def replay_nll(trained: Runtime, windows: torch.Tensor, prompt_len: int, decode: int) -> dict:
     """Prefill windows[:, :prompt_len] exactly and with bounded replay, then teacher-force `decode` more tokens
     from each cache. Per position after the prompt: mean NLL of both and the mean |difference|; plus the KL
     divergence exact || bounded of the first predicted token."""
-    model, memory = trained.model, trained.memory
     per_mode: dict[str, list[torch.Tensor]] = {}
     first: dict[str, torch.Tensor] = {}
     for mode in ("exact", "bounded"):
-        cache = model.new_cache(windows.shape[0])
+        cache = trained.new_cache(windows.shape[0])
         prompt = windows[:, :prompt_len]
-        logits = model.step(prompt, cache, mode=mode, engram=memory.prepare(prompt, cache))
+        logits = trained.step(prompt, cache, mode=mode)
         first[mode] = logits.log_softmax(-1)
         nll = []
         for t in range(decode + 1):
             target = windows[:, prompt_len + t]
             nll.append(-logits.log_softmax(-1).gather(-1, target[:, None])[:, 0])
             if t < decode:
-                token = target[:, None]
-                logits = model.step(token, cache, engram=memory.prepare(token, cache))
+                logits = trained.decode(target, cache)
         per_mode[mode] = torch.stack(nll, 1)  # [N, decode + 1]
     exact, bounded = per_mode["exact"], per_mode["bounded"]
     kl = (first["exact"].exp() * (first["exact"] - first["bounded"])).sum(-1)

@@ -20,6 +20,7 @@ from openflash.experiments.plan import ENGRAM_ARM, RHOS, arm_config
 from openflash.experiments.runs import StudyData
 from openflash.experiments.scale import Scale
 from openflash.experiments.stats import summarize
+from openflash.runtime import Runtime
 from openflash.tools.plan import build_plan
 
 
@@ -49,7 +50,7 @@ class StudyContext:
         return {"val_loss": self.losses(arm), **summarize(self.losses(arm)).as_dict(),
                 "curve": _mean_curve(self.runs[arm])}
 
-    def trained(self, arm: str, seed: int) -> probes.TrainedModel:
+    def trained(self, arm: str, seed: int) -> Runtime:
         return probes.load_trained(self.out / self.runs[arm][seed]["checkpoint"])
 
 
@@ -184,8 +185,8 @@ def offload(ctx: StudyContext) -> dict:
     prompt_len = 64
     windows, _ = probes.validation_windows(ctx.data.data_dir, ctx.scale.offload_rounds + 1, prompt_len)
     prompts = [w.tolist() for w in windows]
-    ab.ab_rounds(tiers, tokenizer, prompts[:1], 2)  # warm-up (first-call allocations), not counted
-    rounds = ab.ab_rounds(tiers, tokenizer, prompts[1:], ctx.scale.offload_tokens)
+    ab.ab_rounds(tiers, prompts[:1], 2)  # warm-up (first-call allocations), not counted
+    rounds = ab.ab_rounds(tiers, prompts[1:], ctx.scale.offload_tokens)
     table_bytes = sum(rows * (cfg.engram_head_dim + cfg.engram_head_dim // 32) for rows in cfg.engram_num_embeddings)
     result = {"table_bytes": table_bytes, "backbone_params": build_plan(cfg).params_backbone,
               "prompt_tokens": prompt_len, "decode_tokens": ctx.scale.offload_tokens, "threads": torch.get_num_threads(),

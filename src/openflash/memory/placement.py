@@ -8,12 +8,11 @@ tokens once, starts gathering every Engram layer's rows in the background, and r
 arrived yet, and that wait is measured per layer.
 
     memory = EngramMemory.attach(model, "disk", frontend=frontend, table_dir="tables/", cache_bytes=1 << 30)
-    cache = model.new_cache(1)
-    logits = model.step(prompt, cache, engram=memory.prepare(prompt, cache))
-    for _ in range(n):
-        memory.speculate(logits, cache, k=4)            # optional: rows of the 4 likeliest next tokens
-        token = sample(logits)
-        logits = model.step(token[:, None], cache, engram=memory.prepare(token[:, None], cache))
+    rows = memory.prepare(prompt, cache)                 # what runtime.py does before each step
+    logits = model.step(prompt, cache, engram=rows)
+    memory.speculate(logits, cache, k=4)                 # optional: rows of the 4 likeliest next tokens
+
+Callers use it through the runtime (runtime.py, `Runtime.place_engram` to choose the tier), which does the above.
 
 Tiers (`--engram-placement`):
     device   the tables stay in the model (DeviceTable): rows gathered from them when a layer asks (with autograd,
@@ -402,8 +401,10 @@ class EngramMemory:
     def _gather_now(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         if self.tables[slot].collective:
             return self._prefetcher.gather(slot, ids)  # collectives stay in the worker's order
+        # The device tier reads the table the model holds now (one replaced since, e.g. by to_fp8, included).
+        table = self.model.engram_tables()[slot] if self.placement == "device" else self.tables[slot]
         try:
-            return self.tables[slot].gather(ids)
+            return table.gather(ids)
         except EngramTableError:
             raise
         except Exception as exc:

@@ -9,7 +9,7 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
 - the compressed stores are read whole at a fixed capacity, entries past each row's length masked by their readers
   (the indexer's visibility mask; top-k over the fixed width picks the same entries, the rest become -1);
 - cache writes are masked writes (window ring slot = position % window; compressed groups where complete);
-- routed experts run per (token, slot) pair on weights gathered by expert id (`MoE._routed_gathered`), from an fp32
+- routed experts run per (token, slot) pair on weights gathered by expert id (model/routed.py `gathered`), from an fp32
   stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: this path is for
   models that fit; a model with offloaded or "stored" experts decodes on the per-kernel path).
 GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
@@ -80,7 +80,7 @@ class DecodeGraph:
         self.model = model
         # Dynamo's per-call guard check on every module attribute and parameter is a large part of a small model's
         # step: it is skipped, which is safe because this graph serves one model under one
-        # numerics policy (Transformer keeps one DecodeGraph per policy), whose structure does not change, and
+        # numerics policy (the runtime keeps one DecodeGraph per policy), whose structure does not change, and
         # because its compiled code hangs on a code object of its own, never tried on another model. Guards on
         # the cache and the inputs (shapes, dtypes) stay.
         own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")

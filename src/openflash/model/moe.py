@@ -17,13 +17,11 @@ from torch import nn
 
 from openflash import formats
 from openflash.config import FlashConfig
+from openflash.model import routed
 from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
 from openflash.model.numerics import Numerics
-
-OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
-
 
 class Gate(nn.Module):
     def __init__(self, cfg: FlashConfig) -> None:
@@ -148,15 +146,27 @@ class MoE(nn.Module, NumericsMixin):
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         ctx.put(f"block{self.layer}.gate_indices", ids)
         ctx.put(f"block{self.layer}.gate_weights", weights)
-        if ctx.static:
-            return self._routed_gathered(x, weights, ids).view(shape)
+        offloaded = self.offloaded
+        path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
+                             fp32_experts=not offloaded and self.experts[0].w1.fp32_resident)
+        shared = self.shared_experts(x).float()
+        if path == "gathered":  # no host read of the routing: counts are not computed
+            y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
+            return self.numerics.round(y).view(shape)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
-        if self.offloaded:
-            return self._routed_offloaded(x, weights, ids, counts, ctx).view(shape)
-        experts = {e: self.experts[e] for e in counts.nonzero().flatten().tolist()}
-        return moe_kernels(self.numerics).experts(self, x, weights, ids, counts, experts).view(shape)
+        if path == "offloaded":
+            y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), self._combine(ctx), shared)
+        elif path == "sorted":
+            y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared)
+        elif path == "batched":
+            y = routed.batched(x, weights, ids, counts, self._stack, self._stacked_swiglu(self.numerics.compiled),
+                               shared)
+        else:
+            y = routed.grouped(x, weights, ids, {e: self.experts[e] for e in counts.nonzero().flatten().tolist()},
+                               shared)
+        return self.numerics.round(y).view(shape)
 
     def likely_experts(self, v: torch.Tensor, limit: int) -> list[int]:
         """Up to `limit` experts this layer's router would pick for inputs v [..., D] (already normed), the most
@@ -171,109 +181,38 @@ class MoE(nn.Module, NumericsMixin):
         """Loaded without its routed experts (they come from an ExpertSource)."""
         return self.experts[0].w1.weight.is_meta
 
-    def _routed_offloaded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                          ctx: StepContext) -> torch.Tensor:
-        """Experts from the step's ExpertSource, OFFLOAD_CHUNK at a time (a prefill may pick most of a layer's
-        experts: fetching them all at once would hold them all), each grouped as in `_routed_grouped`."""
+    def _fetch(self, ctx: StepContext) -> Callable[[list[int]], Mapping[int, "Expert"]]:
         if ctx.experts is None:
             raise ValueError(f"layer {self.layer}: this model was loaded without its routed experts; pass "
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
-        active = counts.nonzero().flatten().tolist()
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for start in range(0, len(active), OFFLOAD_CHUNK):
-            self._routed_sum(x, weights, ids, ctx.experts.experts(self.layer, active[start:start + OFFLOAD_CHUNK]), y)
-        return self.numerics.round(ctx.experts.combine(y) + self.shared_experts(x).float())
+        return lambda ids: ctx.experts.experts(self.layer, ids)
 
-    def _routed_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: Mapping[int, "Expert"], y: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' contributions (fp32) added into y (zeros if None), one call per expert in `experts`
-        that received tokens, in their order (the same summation order however the experts are fetched)."""
-        if y is None:
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, expert in experts.items():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
-            y[token] += expert(x[token], weights[token, slot]).float()
-        return y
+    def _combine(self, ctx: StepContext) -> Callable[[torch.Tensor], torch.Tensor]:
+        return ctx.experts.combine
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor, experts: Mapping[int, "Expert"]) -> torch.Tensor:
-        """Grouped by expert: one call per expert that received tokens, no per-token loop; plus the shared one."""
-        y = self._routed_sum(x, weights, ids, experts) + self.shared_experts(x).float()
-        return self.numerics.round(y)
+    def _stack(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fp32 w1, w3, w2 of experts `ids`, stacked [U, out, in]."""
+        return tuple(torch.stack([getattr(self.experts[e], name).dequantized_weight() for e in ids])
+                     for name in ("w1", "w3", "w2"))
 
-    def _routed_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor, experts: Mapping[int, "Expert"],
-                        swiglu: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Inference, same math as `_routed_grouped`: the (token, slot) pairs padded per selected expert into
-        [U, C, dim] and run through the U experts' stacked weights in three batched matmuls, with the quantization
-        and rounding points of `Expert.swiglu`; no Python call per expert beyond stacking its cached weights."""
-        n = self.numerics
-        N, k = ids.shape
-        active = counts.nonzero().flatten()
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        expert_of = flat[order]
-        slot = torch.full((self.n_experts,), -1, dtype=torch.long, device=x.device)
-        slot[active] = torch.arange(active.numel(), device=x.device)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(order.numel(), device=x.device) - starts[expert_of]
-        row = slot[expert_of]
-        pad_x = x.new_zeros(active.numel(), int(counts.max()), x.shape[-1])
-        pad_x[row, rank] = x[torch.div(order, k, rounding_mode="floor")].to(pad_x.dtype)
-        pad_w = x.new_zeros(pad_x.shape[:2], dtype=torch.float32)
-        pad_w[row, rank] = weights.flatten()[order]
-        chosen = [experts[e] for e in active.tolist()]
-        w1, w3, w2 = (torch.stack([getattr(e, name).dequantized_weight() for e in chosen])
-                      for name in ("w1", "w3", "w2"))
-        first = chosen[0]
-        out = swiglu(pad_x, pad_w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
-        pairs = torch.empty(N * k, x.shape[-1], dtype=torch.float32, device=x.device)
-        pairs[order] = out[row, rank]
-        y = pairs.view(N, k, -1).sum(1) + self.shared_experts(x).float()
-        return self.numerics.round(y)
+    def _stacked_swiglu(self, fused: bool) -> Callable[..., torch.Tensor]:
+        """`batched_swiglu` with this layer's clamp, activation quantization and numerics; fused: through
+        torch.compile (the compiled backend's eager dispatch; inside a whole-step graph it is traced anyway)."""
+        first, n = self.experts[0], self.numerics
+        kernel = compiled(batched_swiglu) if fused else batched_swiglu
+        return lambda x, w, w1, w3, w2: kernel(x, w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
 
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every routed expert's fp32 w1, w3, w2 stacked [E, out, in] (a copy beside the experts' own, kept while
-        their weights are unchanged): what `_routed_gathered` indexes by expert id."""
+        their weights are unchanged): what the `gathered` path indexes by expert id."""
         if self._stacked is not None and torch.compiler.is_compiling():
             return self._stacked  # a whole-step graph: its runner refreshed the stack before the call
         key = tuple((t.data_ptr(), t._version) for lin in self._expert_linears
                     for tensors in (lin._parameters, lin._buffers) for t in tensors.values())
         if self._stacked is None or self._stacked_key != key:
-            self._stacked = tuple(torch.stack([getattr(e, name).dequantized_weight() for e in self.experts])
-                                  for name in ("w1", "w3", "w2"))
+            self._stacked = self._stack(list(range(self.n_experts)))
             self._stacked_key = key
         return self._stacked
-
-    def _routed_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Inference in a whole-step graph, same math as `_routed_batched`: each routed (token, slot) pair runs
-        through its expert's weights gathered by id, so no shape depends on the routing (quantization and rounding
-        points of `Expert.swiglu`; the pairs summed in slot order, as there)."""
-        n = self.numerics
-        N, k = ids.shape
-        w1, w3, w2 = self.stacked_experts()
-        pair = ids.flatten()
-        first = self.experts[0]
-        # Each pair is its own one-row "expert" of batched_swiglu: [N * k, 1, dim] through its gathered weights.
-        out = batched_swiglu(x.repeat_interleave(k, dim=0).unsqueeze(1), weights.reshape(-1, 1), w1[pair],
-                             w3[pair], w2[pair], first.limit, first.w1.quantized and n.act_quant, n)
-        return n.round(out.view(N, k, -1).sum(1) + self.shared_experts(x).float())
-
-    def _routed_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       counts: torch.Tensor) -> torch.Tensor:
-        """Training path (same math): one gather of the routed (token, slot) pairs sorted by expert, one
-        contiguous slice per expert, one scatter-add of the results onto the shared expert's output. Autograd
-        then also does one scatter and one gather, instead of one full-size zero-filled gradient per expert."""
-        k = ids.shape[1]
-        order = torch.argsort(ids.flatten(), stable=True)
-        token = torch.div(order, k, rounding_mode="floor")
-        x_sorted, w_sorted = x.index_select(0, token), weights.flatten()[order]
-        sizes = counts.tolist()
-        outs = [self.experts[e](xe, we) for e, (xe, we) in enumerate(zip(x_sorted.split(sizes), w_sorted.split(sizes)))
-                if sizes[e]]
-        y = self.shared_experts(x).float().index_add(0, token, torch.cat(outs).float())
-        return self.numerics.round(y)
 
 
 def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -289,48 +228,18 @@ def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: 
     return n.round(matmul_unshared(act.to(w2.dtype), w2)).float()
 
 
-# ---- the kernels of each numerics policy (chosen once: moe_kernels) ---------------------------------------------
+# ---- the expert kernel of each numerics policy (chosen once: moe_kernels) ---------------------------------------
 
 class MoeKernels:
-    """Inference (fp32, plain, reference): experts grouped by expert, SwiGLU as written."""
+    """Inference: SwiGLU as written."""
 
     def expert(self, expert: Expert, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return expert.swiglu(v, weight)
 
-    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
-        return moe._routed_grouped(x, weights, ids, counts, experts)
-
-
-class BatchedMoeKernels(MoeKernels):
-    """fp32 / plain inference: decode-sized steps (up to BATCHED_PAIRS routed pairs) through `_routed_batched`
-    when the experts' fp32 weights are cached; larger ones (prefill), whose per-expert GEMMs amortize their calls,
-    and "stored" weights, grouped by expert."""
-
-    BATCHED_PAIRS = 256
-
-    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
-        # Only with fp32 weights at hand: stacking "stored" experts would materialise them all at once.
-        if ids.numel() <= self.BATCHED_PAIRS and moe.experts[0].w1.fp32_resident:
-            return moe._routed_batched(x, weights, ids, counts, experts, self.batched_swiglu)
-        return moe._routed_grouped(x, weights, ids, counts, experts)
-
-    def batched_swiglu(self, *args) -> torch.Tensor:
-        return batched_swiglu(*args)
-
-
-class CompiledMoeKernels(BatchedMoeKernels):
-    """The batched SwiGLU (QDQ, clamps, SiLU, routing weight) fused by torch.compile (model/compiled.py); the
-    dispatch around it has data-dependent shapes and stays eager."""
-
-    def batched_swiglu(self, *args) -> torch.Tensor:
-        return compiled(batched_swiglu)(*args)
-
 
 class TrainMoeKernels(MoeKernels):
     """Training, same math: one matmul for both input projections of a float expert (twice as wide: better use
-    of the GEMM on few tokens) with a fused SwiGLU backward; routed pairs sorted by expert."""
+    of the GEMM on few tokens) with a fused SwiGLU backward."""
 
     def expert(self, expert: Expert, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if expert.w1.quantized:
@@ -338,15 +247,7 @@ class TrainMoeKernels(MoeKernels):
         gate, up = F.linear(v, torch.cat((expert.w1.weight, expert.w3.weight))).chunk(2, dim=-1)
         return expert.w2(_SwiGLU.apply(gate, up, weight, expert.limit))
 
-    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                counts: torch.Tensor, experts: Mapping[int, Expert]) -> torch.Tensor:
-        return moe._routed_sorted(x, weights, ids, counts)  # training: every expert is the model's own
-
 
 @lru_cache(maxsize=None)
 def moe_kernels(numerics: Numerics) -> MoeKernels:
-    if numerics.fused_train_ops:
-        return TrainMoeKernels()
-    if not numerics.batched_experts:
-        return MoeKernels()
-    return CompiledMoeKernels() if numerics.compiled else BatchedMoeKernels()
+    return TrainMoeKernels() if numerics.fused_train_ops else MoeKernels()

@@ -10,7 +10,8 @@
 
 Two ways to run it (a model with Engram layers also takes `engram=`, the `EngramRows` its memory prepared from the
 same token ids; the model hashes nothing and imports nothing from memory/; a step with images takes `images=`, the
-`ImageRows` of its image-span positions, made by `encode_image` from the caller's preprocessed patches):
+`ImageRows` of its image-span positions, made by `encode_image` from the caller's preprocessed patches). Callers
+use the runtime (runtime.py), which prepares those and picks the compiled decode graph where it applies:
 - `forward(input_ids, targets)`: a full causal sequence from position 0 (training), returning logits and loss,
   plus the indexer's KL term;
 - `step(input_ids, cache)`: incremental inference; prefill chunks and decode steps carry all state in a
@@ -35,22 +36,21 @@ from openflash.model.block import Block
 from openflash.model.cache import ModelCache, ReplayBuffer, append_replay
 from openflash.model.compiled_blocks import CompiledBlock
 from openflash.model.context import CompressedView, ExpertSource, Probe, StepContext, real_tokens
-from openflash.model.decode_graph import DecodeGraph
 from openflash.model.dspark import DSparkStage
 from openflash.model.engram import EngramRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.mhc import collapse
-from openflash.model.moe import OFFLOAD_CHUNK
 from openflash.model.numerics import FP32, Numerics
+from openflash.model.routed import OFFLOAD_CHUNK
 from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
 log = logging.getLogger("openflash.model")
 
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
 PREFETCH_TOKENS = 16  # steps of at most this many tokens hint this and the next layer's experts to an ExpertSource
-NO_ROWS = ("this model has Engram layers: pass engram=<the call's rows>, prepared from the same token ids by its "
-           "Engram memory (openflash.memory.placement.EngramMemory.prepare, or prefetch_batch for training)")
+NO_ROWS = ("this model has Engram layers: its steps take engram=<the rows of the call's token ids>; run it through "
+           "its runtime (openflash.runtime.Runtime: open_model(...) or Runtime.of(model)), whose memory prepares them")
 
 
 @dataclass
@@ -100,8 +100,6 @@ class Transformer(nn.Module):
                 nn.Parameter(torch.randn(cfg.hidden_size) * 0.02) for _ in range(3))
         self.numerics: Numerics = FP32
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
-        # The compiled backend's whole-step decode graphs (model/decode_graph.py), one per numerics policy.
-        self._graphs: dict[Numerics, DecodeGraph] = {}
         # The compiled backend's training forward: each block's forward compiled on its own (compiled_blocks.py).
         self._compiled_blocks: list[CompiledBlock] | None = None
 
@@ -292,11 +290,7 @@ class Transformer(nn.Module):
         if cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has {B} rows")
         if lengths is not None:
-            lengths = _check_lengths(lengths, B, S, input_ids.device)
-        if S == 1 and self.numerics.compiled and not static and not all_logits and lengths is None:
-            graph = self._decode_graph()
-            if graph.why_not(cache, images, probe, hidden, experts) is None:
-                return graph(input_ids, cache, engram), None
+            lengths = check_lengths(lengths, B, S, input_ids.device)
         positions = cache.pos.unsqueeze(1) + torch.arange(S, device=input_ids.device)
         taps = self._taps() if hidden else {}
         ctx = StepContext(positions, self.numerics, cache=cache, probe=probe, taps=taps, experts=experts,
@@ -347,19 +341,6 @@ class Transformer(nn.Module):
         """A decode step [B, 1] with every shape fixed by the cache (StepContext.static): the body that
         model/decode_graph.py compiles into one graph. Returns logits [B, V]."""
         return self._step(input_ids, cache, "exact", True, engram, None, None, False, False, static=True)[0]
-
-    def decode_graph_stats(self) -> dict[str, float] | None:
-        """The current numerics policy's whole-step decode graph: steps run, graphs compiled and the seconds the
-        compiling steps took (model/decode_graph.py); None off the compiled backend."""
-        if not self.numerics.compiled:
-            return None
-        graph = self._decode_graph()
-        return {"steps": graph.steps, "graphs": graph.graphs, "compile_seconds": graph.compile_seconds}
-
-    def _decode_graph(self) -> DecodeGraph:
-        if self.numerics not in self._graphs:
-            self._graphs[self.numerics] = DecodeGraph(self)
-        return self._graphs[self.numerics]
 
     def _blocks_compiled(self) -> list[CompiledBlock]:
         if self._compiled_blocks is None:
@@ -438,10 +419,6 @@ class Transformer(nn.Module):
                      "for this model", [i for i in self.cfg.engram_layer_ids if i >= self.cfg.topology.decoder_start],
                      self.cfg.topology.decoder_start)
 
-    def decode(self, input_ids: torch.Tensor, cache: ModelCache, **kwargs) -> torch.Tensor:
-        """One token per row [B] at each row's own position; returns logits [B, V]."""
-        return self.step(input_ids.view(-1, 1), cache, mode="exact", **kwargs)
-
 
 def _mask(images: ImageRows | None) -> torch.Tensor | None:
     return None if images is None else images.mask
@@ -455,7 +432,7 @@ def _last_real(t: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     return t.gather(1, index)
 
 
-def _check_lengths(lengths: torch.Tensor, rows: int, width: int, device: torch.device) -> torch.Tensor:
+def check_lengths(lengths: torch.Tensor, rows: int, width: int, device: torch.device) -> torch.Tensor:
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
     if tuple(lengths.shape) != (rows,) or bool((lengths < 1).any()) or bool((lengths > width).any()):
         raise ValueError(f"lengths must hold one value in [1, {width}] per row of input_ids ({rows} rows), got "

@@ -188,23 +188,21 @@ def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
 
 
 def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
-    from openflash.checkpoint import load_checkpoint
+    from openflash.checkpoint import open_model
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
     from openflash.files.run_dir import latest_checkpoint
-    from openflash.tokenizer import load_tokenizer
 
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:
         raise OpenflashError(f"no checkpoint in {train_dir} to generate from")
-    model, _ = load_checkpoint(checkpoint)
-    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    runtime = open_model(str(checkpoint), weights="dequantized")
     params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens, seed=0)
     how = "greedy" if params.greedy else f"temperature {cfg.temperature}, top-k {cfg.top_k}, seed 0"
     _say(cfg, f"[5/5] generation from {checkpoint} ({how}, up to {cfg.max_new_tokens} tokens each)")
     samples = []
     for prompt in cfg.prompts:
-        result = generate(model, tokenizer, prompt, params)
+        result = generate(runtime, prompt, params)
         speed = result.decode_tokens_per_second
         samples.append({"prompt": prompt, "completion": result.text, "tokens": len(result.token_ids),
                         "decode_tokens_per_s": speed})

@@ -40,11 +40,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from openflash.checkpoint import load_checkpoint
+from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
-from openflash.memory.placement import EngramMemory
+from openflash.model.cache import ModelCache
+from openflash.runtime import Runtime
 from openflash.vision.preprocess import prepare_image
-from openflash.vision.prompt import EncodedImages, PromptImage, image_mask
+from openflash.vision.prompt import EncodedImages, PromptImage
 
 ATOL_BF16, RTOL_BF16 = 2e-2, 2e-2  # ~2-3 bf16 ulps at unit scale
 LOGIT_ATOL_FP32 = 5e-2  # fp32 path vs the bf16 reference: logits have std ~1
@@ -89,31 +90,25 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
             raise OpenflashError(f"{folder}: not a golden folder (missing {name})")
     inputs = json.loads((folder / "inputs.json").read_text())
     expected = load_file(str(folder / "expected.safetensors"))
-    model, report = load_checkpoint(folder, numerics=numerics, weights=weights)
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
-    cfg = model.cfg
+    runtime = open_model(str(folder), numerics=numerics, weights=weights)
+    model, cfg = runtime.model, runtime.cfg
     ours: dict[str, torch.Tensor] = {}
 
     prompt = torch.tensor(inputs["input_ids"], dtype=torch.long)
-    cache = model.new_cache(prompt.shape[0])
+    cache = runtime.new_cache(prompt.shape[0])
     teacher = expected if teacher_forced else None
     probe = GoldenProbe("prefill.", teacher)
     images = _golden_images(folder, inputs, model, ours)
-    mask = image_mask(prompt.shape[1], images.images).unsqueeze(0) if images.images else None
-    rows = memory.prepare(prompt, cache, mask)
-    if rows is not None:
-        probe.record("engram_hash", rows.hash_ids)
     drafting = cfg.dspark is not None and "spec_prefill.main_x" in expected
     spans = images.window(0, prompt.shape[1], model.device)
-    logits_all, hidden = model.step_hidden(prompt, cache, engram=rows, images=spans, probe=probe,
-                                           all_logits=True) if drafting \
-        else (model.step(prompt, cache, engram=rows, images=spans, probe=probe, all_logits=True), None)
+    logits_all, hidden = runtime.step_hidden(prompt, cache, images=spans, probe=probe, all_logits=True) if drafting \
+        else (runtime.step(prompt, cache, images=spans, probe=probe, all_logits=True), None)
     _collect(probe.recorded, ours, "prefill.", offset=prompt.shape[1], cfg=cfg)
     ours["prefill.logits_all"] = logits_all
     ours["prefill.logits_last"] = logits_all[:, -1]
     ours["prefill.next_token"] = logits_all[:, -1].argmax(-1)
-    if report.engram_frontend is not None:
-        ours["engram.token_map"] = torch.from_numpy(report.engram_frontend.token_map.ids[: cfg.vocab_size])
+    if runtime.frontend is not None:
+        ours["engram.token_map"] = torch.from_numpy(runtime.frontend.token_map.ids[: cfg.vocab_size])
     generated = [int(ours["prefill.next_token"][0])]
     if drafting:  # the reference's forward_spec(.., 0): the stages' rings seeded from the whole prompt
         probe = GoldenProbe("spec_prefill.", teacher)
@@ -125,11 +120,8 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
     for t in range(inputs["decode_steps"]):
         token = expected[f"decode{t}.input_token"].view(-1, 1)
         probe = GoldenProbe(f"decode{t}.", teacher)
-        rows = memory.prepare(token, cache)
-        if rows is not None:
-            probe.record("engram_hash", rows.hash_ids)
-        logits, hidden = model.step_hidden(token, cache, engram=rows, probe=probe) if drafting \
-            else (model.step(token, cache, engram=rows, probe=probe), None)
+        logits, hidden = runtime.step_hidden(token, cache, probe=probe) if drafting \
+            else (runtime.step(token, cache, probe=probe), None)
         _collect(probe.recorded, ours, f"decode{t}.", offset=cfg.sliding_window, cfg=cfg)
         ours[f"decode{t}.logits"] = logits
         ours[f"decode{t}.next_token"] = logits.argmax(-1)
@@ -138,7 +130,7 @@ def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forc
             last_draft = _draft_step(model, cache, hidden, logits.argmax(-1), f"decode{t}.spec.", teacher, ours)
     ours["generated_tokens"] = torch.tensor([generated])
     if drafting:
-        _verify_round(model, memory, cache, expected, last_draft, ours)
+        _verify_round(runtime, cache, expected, last_draft, ours)
     return compare(ours, expected, numerics)
 
 
@@ -179,7 +171,7 @@ def _draft_step(model: Any, cache: Any, hidden: Any, anchor: torch.Tensor, prefi
     return draft.tokens[:, 1:]
 
 
-def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch.Tensor], last_draft: torch.Tensor,
+def _verify_round(runtime: Runtime, cache: ModelCache, expected: dict[str, torch.Tensor], last_draft: torch.Tensor,
                   ours: dict[str, torch.Tensor]) -> None:
     """The golden's speculative round: the target on [y, d_1..d_B] one token at a time (as the reference can),
     greedy acceptance, the committed tokens."""
@@ -187,7 +179,7 @@ def _verify_round(model: Any, memory: Any, cache: Any, expected: dict[str, torch
     drafts, targets = expected["spec_round.draft_tokens"], []
     for j in range(steps):
         token = expected[f"verify{j}.input_token"].view(-1, 1)
-        logits = model.step(token, cache, engram=memory.prepare(token, cache))
+        logits = runtime.step(token, cache)
         ours[f"verify{j}.logits"] = logits
         ours[f"verify{j}.next_token"] = logits.argmax(-1)
         targets.append(int(logits.argmax(-1)[0]))

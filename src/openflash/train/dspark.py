@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openflash.checkpoint import build_model, checkpoint_folder, load_checkpoint, save_checkpoint
+from openflash.checkpoint import build_model, checkpoint_folder, open_model, save_checkpoint
 from openflash.errors import OpenflashError
 from openflash.files.run_dir import ARGS_FILE
-from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import find_token_map_file
 from openflash.model import dspark
 from openflash.model.cache import ModelCache, WindowCache
 from openflash.model.context import StepContext
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.train.dataset import BatchLoader, TokenDataset
 
 log = logging.getLogger("openflash.train")
@@ -80,9 +80,11 @@ def _data_dir(cfg: DraftTrainConfig) -> Path:
     raise OpenflashError(f"--init {cfg.init}: no {ARGS_FILE} saying where its data is; pass --data")
 
 
-def drafter_model(init: str) -> tuple[Transformer, EngramMemory, Path]:
-    """The trained model of `init` with a DSpark head (new, random, unless it has one), only the head trainable."""
-    model, report = load_checkpoint(init, numerics="train")
+def drafter_model(init: str) -> Runtime:
+    """The trained model of `init` (a checkpoint or a run folder) with a DSpark head (new, random, unless it has
+    one), only the head trainable."""
+    runtime = open_model(str(checkpoint_folder(init)), numerics="train", weights="dequantized")
+    model = runtime.model
     cfg = model.cfg if model.cfg.dspark is not None else model.cfg.with_dspark()
     if cfg is not model.cfg:
         torch.manual_seed(0)
@@ -94,8 +96,7 @@ def drafter_model(init: str) -> tuple[Transformer, EngramMemory, Path]:
         model = drafted
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp."))
-    memory = EngramMemory.attach(model, "device", frontend=report.engram_frontend)
-    return model.eval(), memory, checkpoint_folder(init)
+    return runtime.with_model(model.eval())
 
 
 def drafter_loss(model: Transformer, tokens: torch.Tensor, target_logits: torch.Tensor, main_hidden: torch.Tensor,
@@ -142,7 +143,8 @@ def drafter_loss(model: Transformer, tokens: torch.Tensor, target_logits: torch.
 
 def train_drafter(cfg: DraftTrainConfig) -> dict:
     """Train the drafter of `cfg.init` for cfg.steps (or cfg.max_minutes) and write the model to cfg.out."""
-    model, memory, source = drafter_model(cfg.init)
+    runtime = drafter_model(cfg.init)
+    model, source = runtime.model, runtime.folder
     data = TokenDataset(_data_dir(cfg), "train")
     if data.vocab_size != model.cfg.vocab_size:
         raise OpenflashError(f"{data}: vocabulary {data.vocab_size} but the model has {model.cfg.vocab_size}")
@@ -162,7 +164,7 @@ def train_drafter(cfg: DraftTrainConfig) -> dict:
             group["lr"] = lr
         tokens, _ = loader.batch_at(step)
         with torch.no_grad():
-            out = model(tokens, engram=memory.prefetch_batch(tokens), hidden=True)
+            out = runtime.forward(tokens, hidden=True)
         anchors = torch.randint(0, cfg.seq_len - size - 2, (tokens.shape[0], cfg.anchors), generator=gen)
         loss = drafter_loss(model, tokens, out.logits, out.main_hidden, anchors, cfg)
         optimizer.zero_grad(set_to_none=True)

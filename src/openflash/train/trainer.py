@@ -42,10 +42,10 @@ from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
-from openflash.memory.placement import EngramMemory
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.compiled import check_toolchain
 from openflash.model.numerics import TRAIN
+from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads
@@ -183,7 +183,7 @@ class Trainer:
             check_toolchain("cpu")
         self.model = build_model(self.model_cfg, TRAIN.with_compile(cfg.compile)).train()
         # The model's own tables, addressed through the data's tokenizer; gathered inside autograd.
-        self.memory = EngramMemory.attach(self.model, "device", tokenizer=load_tokenizer(self.tokenizer_path))
+        self.runtime = Runtime.of(self.model, load_tokenizer(self.tokenizer_path))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
@@ -296,11 +296,10 @@ class Trainer:
         step = self.step
         indexer_stage = step < self.schedule.indexer_warmup
         inputs, targets = self.loader.batch_at(step)
-        engram = self.memory.prefetch_batch(inputs)
         multiplier = self.schedule.multiplier(step)
         self.optimizer.set_lr_multiplier(multiplier)
         self.optimizer.zero_grad()
-        out = model(inputs, targets, engram=engram, dense_indexer=indexer_stage)
+        out = self.runtime.forward(inputs, targets, dense_indexer=indexer_stage)
         if indexer_stage:
             objective = out.indexer_loss
         elif out.indexer_loss is not None and cfg.indexer_loss_weight:
@@ -362,7 +361,7 @@ class Trainer:
                 if hi <= lo:
                     continue
                 x, y = inputs[lo:hi], targets[lo:hi]
-                out = model(x, y, engram=self.memory.prefetch_batch(x))
+                out = self.runtime.forward(x, y)
                 total[0] += float(out.loss) * y.numel()
                 total[1] += y.numel()
         finally:

@@ -26,14 +26,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from openflash.checkpoint import build_model, checkpoint_folder, load_checkpoint, save_checkpoint
-from openflash.config import PRESETS, load_config
+from openflash.checkpoint import open_model, save_checkpoint
 from openflash.errors import OpenflashError
-from openflash.memory.frontend import EngramFrontend
-from openflash.memory.placement import EngramMemory
 from openflash.model.transformer import Transformer
 from openflash.model.vision import ImageRows
-from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import Schedule
 from openflash.vision.prompt import IMAGE_PLACEHOLDER, PromptImage, text_prompt
 
@@ -131,25 +127,15 @@ class VLTrainConfig:
     max_minutes: float | None = None
 
 
-def _model(init: str) -> tuple[Transformer, Tokenizer, EngramFrontend | None, Path | None]:
-    if init in PRESETS:
-        cfg = load_config(init)
-        torch.manual_seed(0)
-        tok = preset_tokenizer(cfg)
-        return build_model(cfg, "train"), tok, EngramFrontend.of(cfg, tok), None
-    model, report = load_checkpoint(init, numerics="train")
-    return model, report.tokenizer, report.engram_frontend, checkpoint_folder(init)
-
-
 def train_vision(cfg: VLTrainConfig) -> dict:
     """Fine-tune `cfg.init` on the pairs of `cfg.data` and write the model to `cfg.out`; returns a summary with
     the loss history."""
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(cfg, name) < 1:
             raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    model, tokenizer, frontend, source = _model(cfg.init)
+    runtime = open_model(cfg.init, numerics="train", weights="dequantized")
+    model, tokenizer, source = runtime.model, runtime.tokenizer, runtime.folder
     examples = read_pairs(cfg.data, model.cfg, tokenizer, cfg.seq_len)
-    memory = EngramMemory.attach(model, "device", frontend=frontend)
     for name, p in model.named_parameters():
         p.requires_grad_(not (cfg.freeze_vision and name.startswith(("vision.", "aligner."))))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -165,7 +151,7 @@ def train_vision(cfg: VLTrainConfig) -> dict:
             group["lr"] = cfg.lr * schedule.multiplier(step)
         picks = torch.randint(0, len(examples), (min(cfg.batch_size, len(examples)),), generator=gen).tolist()
         inputs, targets, images = vl_batch([examples[i] for i in picks], model, model.cfg.pad_token_id)
-        out = model(inputs, targets, engram=memory.prefetch_batch(inputs, images.mask), images=images)
+        out = runtime.forward(inputs, targets, images=images)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

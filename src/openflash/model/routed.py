@@ -1,0 +1,133 @@
+"""The routed experts' weighted sum of an MoE layer, five ways with one math (spec: §6.2).
+
+    y = shared(x) + sum over k slots of  weight[n, k] * Expert_{ids[n, k]}(x[n])
+
+Every path computes this in fp32 and leaves the final rounding to the MoE; they differ in how the (token, slot)
+pairs meet the experts' weights, which decides speed and what shapes depend on the routing:
+
+    grouped    one call per expert that received tokens (inference default; any weight storage)
+    batched    pairs padded per selected expert into [U, C, dim], three batched matmuls on stacked fp32 weights
+               (decode-sized steps: up to BATCHED_PAIRS pairs)
+    gathered   each pair through its expert's weights gathered by id: no shape depends on the routing (the
+               compiled decode graph)
+    sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
+    offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
+
+`choose` picks one from the call's facts; tests/test_routed.py runs every path against `grouped` on the same
+inputs. The functions are pure: the MoE hands them its experts (callables) or their stacked weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from openflash.model.numerics import Numerics
+
+ROUTED_PATHS = ("grouped", "batched", "gathered", "sorted", "offloaded")
+BATCHED_PAIRS = 256  # the most (token, slot) pairs a step runs batched (measured: benchmarks/moe_decode.py)
+OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
+
+ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [n, dim], weight [n]) -> [n, dim]
+# batched_swiglu with the expert's clamp, activation quantization and numerics bound: (x, weight, w1, w3, w2)
+StackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp32_experts: bool) -> str:
+    """The path of one MoE call. static: a whole-step graph; offloaded: the experts come from an ExpertSource;
+    pairs: the routed (token, slot) pairs; fp32_experts: the experts' fp32 weights are cached (stacking "stored"
+    experts would materialise them all at once)."""
+    if static:
+        return "gathered"
+    if offloaded:
+        return "offloaded"
+    if numerics.fused_train_ops:
+        return "sorted"
+    if numerics.batched_experts and pairs <= BATCHED_PAIRS and fp32_experts:
+        return "batched"
+    return "grouped"
+
+
+def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Mapping[int, ExpertFn],
+            shared: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    """shared + the contributions of `experts` (those that received tokens, in their order), accumulated in y
+    (zeros if None) first: the same summation order however the experts are fetched."""
+    if y is None:
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, expert in experts.items():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
+        y[token] += expert(x[token], weights[token, slot]).float()
+    return y + shared
+
+
+def offloaded(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+              fetch: Callable[[list[int]], Mapping[int, ExpertFn]], combine: Callable[[torch.Tensor], torch.Tensor],
+              shared: torch.Tensor) -> torch.Tensor:
+    """`grouped` over experts fetched OFFLOAD_CHUNK at a time (a prefill may pick most of a layer's experts:
+    fetching them all at once would hold them all); `combine` sums the processes' shares (expert parallelism)."""
+    active = counts.nonzero().flatten().tolist()
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, len(active), OFFLOAD_CHUNK):
+        for e, expert in fetch(active[start:start + OFFLOAD_CHUNK]).items():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            y[token] += expert(x[token], weights[token, slot]).float()
+    return combine(y) + shared
+
+
+def batched(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+            stacked: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], swiglu: StackedFn,
+            shared: torch.Tensor) -> torch.Tensor:
+    """The pairs padded per selected expert into [U, C, dim] through the U experts' stacked fp32 weights
+    (`stacked(active ids)` -> w1, w3, w2 [U, out, in]); no Python call per expert beyond stacking."""
+    N, k = ids.shape
+    n_experts = counts.numel()
+    active = counts.nonzero().flatten()
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    slot = torch.full((n_experts,), -1, dtype=torch.long, device=x.device)
+    slot[active] = torch.arange(active.numel(), device=x.device)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel(), device=x.device) - starts[expert_of]
+    row = slot[expert_of]
+    pad_x = x.new_zeros(active.numel(), int(counts.max()), x.shape[-1])
+    pad_x[row, rank] = x[torch.div(order, k, rounding_mode="floor")].to(pad_x.dtype)
+    pad_w = x.new_zeros(pad_x.shape[:2], dtype=torch.float32)
+    pad_w[row, rank] = weights.flatten()[order]
+    out = swiglu(pad_x, pad_w, *stacked(active.tolist()))
+    pairs = torch.empty(N * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    pairs[order] = out[row, rank]
+    return pairs.view(N, k, -1).sum(1) + shared
+
+
+def gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             every: tuple[torch.Tensor, torch.Tensor, torch.Tensor], swiglu: StackedFn,
+             shared: torch.Tensor) -> torch.Tensor:
+    """Each pair as its own one-row "expert" [N * k, 1, dim] through its expert's weights gathered by id from
+    `every` expert's stacked w1, w3, w2 [E, out, in]; the pairs summed in slot order, as `batched` does."""
+    N, k = ids.shape
+    w1, w3, w2 = every
+    pair = ids.flatten()
+    out = swiglu(x.repeat_interleave(k, dim=0).unsqueeze(1), weights.reshape(-1, 1), w1[pair], w3[pair], w2[pair])
+    return out.view(N, k, -1).sum(1) + shared
+
+
+def sorted_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                 experts: Sequence[ExpertFn], shared: torch.Tensor) -> torch.Tensor:
+    """One gather of the pairs sorted by expert, one contiguous slice per expert (experts[e] for every e), one
+    scatter-add onto the shared expert's output: autograd then also does one scatter and one gather, instead of
+    one full-size zero-filled gradient per expert."""
+    k = ids.shape[1]
+    order = torch.argsort(ids.flatten(), stable=True)
+    token = torch.div(order, k, rounding_mode="floor")
+    x_sorted, w_sorted = x.index_select(0, token), weights.flatten()[order]
+    sizes = counts.tolist()
+    outs = [experts[e](xe, we) for e, (xe, we) in enumerate(zip(x_sorted.split(sizes), w_sorted.split(sizes)))
+            if sizes[e]]
+    return shared.index_add(0, token, torch.cat(outs).float())
+
+
+__all__ = ["ROUTED_PATHS", "BATCHED_PAIRS", "OFFLOAD_CHUNK", "choose", "grouped", "offloaded", "batched", "gathered",
+           "sorted_pairs"]

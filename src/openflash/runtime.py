@@ -1,0 +1,273 @@
+"""A model ready to run: the one object callers step (spec: architecture.md §2; engram.md §4 for why rows are
+prepared ahead).
+
+The model computes and fetches nothing itself: each call needs the Engram rows of its tokens (hashed by the memory
+from the same token ids, fetched from whichever tier holds the tables) and, for a model loaded without its routed
+experts, the store they come from. `Runtime` holds the model with its tokenizer, Engram memory, expert source and
+compiled decode graphs, and hands those down on every call:
+
+    rt = open_model("tiny")                          # or a checkpoint folder; Runtime.of(model) for a built one
+    cache = rt.new_cache()
+    logits = rt.step(prompt_ids, cache)              # a prefill chunk [B, S]
+    logits = rt.decode(logits.argmax(-1), cache)     # one token per row [B]
+    out = rt.forward(ids, targets)                   # training: logits, loss
+    rt.stats()                                       # Engram waits, expert cache, decode graphs
+
+The compiled backend runs a decode step as one graph where it can (model/decode_graph.py); `Runtime.step` picks
+that path or the model's own step, so results are the same either way to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from openflash.errors import CheckpointError, OpenflashError
+from openflash.files.manifest import verify_manifest
+from openflash.memory.experts import ExpertStore
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.placement import EngramMemory
+from openflash.memory.table_file import table_file_name, write_table_file
+from openflash.model.cache import ModelCache
+from openflash.model.context import Probe
+from openflash.model.decode_graph import DecodeGraph
+from openflash.model.engram import EngramRows
+from openflash.model.numerics import Numerics
+from openflash.model.transformer import ForwardOutput, TargetHidden, Transformer, check_lengths
+from openflash.model.vision import ImageRows
+from openflash.tokenizer import preset_tokenizer
+from openflash.vision.preprocess import ImageSource
+from openflash.vision.prompt import PromptImage, text_prompt
+
+log = logging.getLogger("openflash.runtime")
+
+DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for the disk tier when no size is given
+
+
+@dataclass
+class Runtime:
+    """The model, its tokenizer, its Engram memory (the `device` tier until `place_engram` moves it) and its routed
+    experts' store (None: the model's own). Build with `checkpoint.open_model` or `Runtime.of`."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    memory: EngramMemory
+    experts: ExpertStore | None = None
+    note: str = ""  # what was loaded, for logs
+    tokenizer_source: str = ""  # which tokenizer was loaded (a path, or why DeepSeek's), for error messages
+    folder: Path | None = None  # the checkpoint folder it came from (None: a preset or a built model)
+    graphs: dict[Numerics, DecodeGraph] = field(default_factory=dict, repr=False)  # one per numerics policy
+    _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # exported tables, disk tier
+
+    @classmethod
+    def of(cls, model: Transformer, tokenizer: Tokenizer | None = None, *, frontend: EngramFrontend | None = None,
+           experts: ExpertStore | None = None, note: str = "", tokenizer_source: str = "",
+           folder: Path | None = None) -> "Runtime":
+        """The runtime of a built model. frontend: its Engram token map and hasher (default: from `tokenizer`,
+        else the DeepSeek tokenizer restricted to the vocabulary); tokenizer default: the preset cut of
+        DeepSeek's."""
+        cfg = model.cfg
+        frontend = frontend if frontend is not None else EngramFrontend.of(cfg, tokenizer)
+        memory = EngramMemory.attach(model, "device", frontend=frontend)
+        return cls(model, tokenizer if tokenizer is not None else preset_tokenizer(cfg), memory, experts, note,
+                   tokenizer_source, folder)
+
+    def with_model(self, model: Transformer) -> "Runtime":
+        """A runtime of another model that reads tokens alike (a copy, the model with a drafter added): this one's
+        tokenizer and Engram addressing, the new model's own tables and experts."""
+        return Runtime.of(model, self.tokenizer, frontend=self.frontend, note=self.note,
+                          tokenizer_source=self.tokenizer_source, folder=self.folder)
+
+    @property
+    def frontend(self) -> EngramFrontend | None:
+        """The Engram token map and hasher (None for a model without Engram layers)."""
+        return self.memory.frontend
+
+    @property
+    def cfg(self) -> Any:
+        return self.model.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_cache(self, batch_size: int = 1, capacity: int = 0, spare: int = 0) -> ModelCache:
+        return self.model.new_cache(batch_size, capacity, spare)
+
+    # ---- inference ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
+             images: ImageRows | None = None, lengths: torch.Tensor | None = None, probe: Probe | None = None,
+             all_logits: bool = False) -> torch.Tensor | None:
+        """A prefill chunk or decode step [B, S] after what `cache` holds (Transformer.step has the arguments):
+        its Engram rows prepared, its experts supplied, a decode step run as one graph where the compiled backend
+        can."""
+        ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
+        rows = self._rows(ids, cache, images, lengths, probe)
+        graph = self._graph() if ids.shape[1] == 1 and not all_logits and lengths is None else None
+        if graph is not None and graph.why_not(cache, images, probe, False, self.experts) is None:
+            return graph(ids, cache, rows)
+        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images, probe=probe,
+                               all_logits=all_logits, experts=self.experts, lengths=lengths)
+
+    @torch.no_grad()
+    def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
+                    last_chunk: bool = True, images: ImageRows | None = None, lengths: torch.Tensor | None = None,
+                    probe: Probe | None = None,
+                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+        """`step`, plus the drafter's input (Transformer.step_hidden)."""
+        ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
+        rows = self._rows(ids, cache, images, lengths, probe)
+        return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
+                                      probe=probe, all_logits=all_logits, experts=self.experts, lengths=lengths)
+
+    def _rows(self, ids: torch.Tensor, cache: ModelCache, images: ImageRows | None, lengths: torch.Tensor | None,
+              probe: Probe | None) -> EngramRows | None:
+        """The step's Engram rows (their fetch started); a probe sees the hash ids as `engram_hash`."""
+        if lengths is not None:  # checked before hashing advances the cache's history
+            lengths = check_lengths(lengths, ids.shape[0], ids.shape[1], ids.device)
+        rows = self.memory.prepare(ids, cache, None if images is None else images.mask, lengths)
+        if probe is not None and rows is not None:
+            probe.record("engram_hash", rows.hash_ids)
+        return rows
+
+    def decode(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One token per row (tokens [B] or [B, 1]) at each row's own position; logits [B, V]."""
+        return self.step(tokens.reshape(-1, 1), cache)
+
+    def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
+        """Start fetching the Engram rows of each row's k likeliest next tokens (EngramMemory.speculate)."""
+        self.memory.speculate(logits, cache, k)
+
+    @torch.no_grad()
+    def replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache, *, bounded: bool,
+               image_mask: torch.Tensor | None = None, images: ImageRows | None = None) -> None:
+        """Rebuild a restored prefix cache's bounded state from prompt_ids[start:stop] (Transformer.replay), the
+        Engram hash history rebuilt from the tokens before. image_mask [len(prompt_ids)]: image-span positions;
+        images: the rows of those among [start, stop)."""
+        rows = self.memory.prepare_replay(prompt_ids, start, stop, cache, image_mask)
+        ids = torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=self.device)
+        self.model.replay(ids, cache, start, bounded=bounded, engram=rows, images=images, experts=self.experts)
+
+    def _graph(self) -> DecodeGraph | None:
+        """The current numerics policy's whole-step decode graph, on the compiled backend."""
+        numerics = self.model.numerics
+        if not numerics.compiled:
+            return None
+        if numerics not in self.graphs:
+            self.graphs[numerics] = DecodeGraph(self.model)
+        return self.graphs[numerics]
+
+    # ---- training -------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                images: ImageRows | None = None, dense_indexer: bool = False, probe: Probe | None = None,
+                hidden: bool = False) -> ForwardOutput:
+        """Full sequences [B, S] from position 0 with their Engram rows (Transformer.forward; in autograd on the
+        device tier)."""
+        rows = self.memory.prefetch_batch(input_ids, None if images is None else images.mask)
+        return self.model(input_ids, targets, engram=rows, images=images, dense_indexer=dense_indexer, probe=probe,
+                          hidden=hidden)
+
+    # ---- prompts --------------------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | list[int], images: Sequence[ImageSource] = ()) -> tuple[list[int],
+                                                                                            list[PromptImage]]:
+        """A prompt's token ids (text through the tokenizer, with images placed; ids as given) and image spans,
+        checked against the model's vocabulary with an error naming the tokenizer that produced them."""
+        if isinstance(prompt, str):
+            ids, placed = text_prompt(self.tokenizer, prompt, images, self.cfg)
+        elif images:
+            raise CheckpointError("images come with a text prompt (its <image> placeholders), not with token ids")
+        else:
+            ids, placed = list(prompt), []
+        vocab = self.cfg.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            made = f"; the ids came from {self.tokenizer_source}: give the model's own with --tokenizer PATH" \
+                if isinstance(prompt, str) and self.tokenizer_source else ""
+            raise CheckpointError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
+                                  + made)
+        if not ids:
+            raise CheckpointError("the prompt is empty")
+        return ids, placed
+
+    # ---- Engram placement -----------------------------------------------------------------------------------------
+    def place_engram(self, placement: str, *, table_dir: str | Path | None = None,
+                     cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> None:
+        """Move the Engram tables to `placement` (memory/placement.py), closing the memory that held them. host and
+        disk hold FP8 rows (fp32 tables are quantized first). The disk tier reads `table_dir`, else the checkpoint
+        folder's `engram_tables/`, else table files exported from the model into a scratch folder that `close`
+        removes."""
+        if placement == self.memory.placement:
+            return
+        if placement == "sharded":
+            raise OpenflashError("Engram placement 'sharded' splits the tables over a torch.distributed group, which "
+                                 "`generate` and `serve` do not set up (with or without --expert-parallel): use host "
+                                 "or disk")
+        quantized = self.model.quantize_engram_tables()
+        if quantized:
+            log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
+        kwargs: dict[str, Any] = {}
+        if placement == "disk" and self.memory.layer_ids:
+            kwargs = dict(table_dir=str(self._table_dir(table_dir, verify)), cache_bytes=cache_bytes,
+                          io_threads=io_threads)
+        memory = EngramMemory.attach(self.model, placement, frontend=self.frontend, **kwargs)
+        self.memory.close()
+        self.memory = memory
+
+    def _table_dir(self, given: str | Path | None, verify: bool) -> Path:
+        if given is not None and not Path(given).is_dir():
+            raise OpenflashError(f"--engram-table-dir {given}: not a folder (write one with `openflash engram "
+                                 f"export`)")
+        folder = Path(given) if given is not None else (self.folder / "engram_tables" if self.folder else None)
+        if folder is not None and folder.is_dir():
+            if verify:
+                log.info("%s", verify_manifest(folder).summary())
+            return folder
+        self._scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
+        folder = Path(self._scratch.name)
+        fingerprint = self.frontend.layout.layout_fingerprint()
+        tables = self.model.engram_tables()
+        for slot, lid in enumerate(self.cfg.engram_layer_ids):
+            write_table_file(folder / table_file_name(lid), tables[slot].weight.detach(), tables[slot].scale.detach(),
+                             fingerprint)
+        log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
+        return folder
+
+    # ---- reporting and shutdown -------------------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        """Why a step cannot run now (an Engram table that cannot serve rows), or None."""
+        return self.memory.problem()
+
+    def stats(self) -> dict[str, Any]:
+        """engram: the memory's waits and table counters (None without Engram layers); experts: the store's cache
+        counters (None: the model's own); decode_graph: steps run as one graph, graphs compiled and the seconds the
+        compiling steps took (None off the compiled backend)."""
+        graph = self._graph()
+        return {"engram": self.memory.stats() if self.memory.layer_ids else None,
+                "experts": self.experts.summary() if self.experts is not None else None,
+                "decode_graph": None if graph is None else {"steps": graph.steps, "graphs": graph.graphs,
+                                                            "compile_seconds": graph.compile_seconds}}
+
+    def close(self) -> None:
+        """Stop the memory's background work, close table and expert files, remove exported tables."""
+        self.memory.close()
+        if self.experts is not None:
+            self.experts.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Runtime", "DISK_ROW_CACHE_BYTES"]

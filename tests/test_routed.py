@@ -1,0 +1,86 @@
+"""The MoE's routed-sum paths (model/routed.py): each computes what `grouped` does on the same inputs, with the
+same quantization points, up to fp32 summation order; `choose` picks one from the call's facts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from openflash import formats
+from openflash.config import load_config
+from openflash.model import routed
+from openflash.model.moe import MoE, batched_swiglu
+from openflash.model.numerics import FP32, PLAIN, TRAIN
+
+
+def _moe(storage: str) -> MoE:
+    """An MoE layer of the tiny preset with unit-scale random weights, quantized as stored when asked."""
+    torch.manual_seed(0)
+    cfg = load_config("tiny")
+    if storage == "quantized":
+        cfg = cfg.replace(weight_dtype="fp8", expert_dtype="fp4")
+    moe = MoE(cfg, 0)
+    with torch.no_grad():
+        for expert in list(moe.experts) + [moe.shared_experts]:
+            for lin in (expert.w1, expert.w2, expert.w3):
+                w = torch.randn(lin.out_features, lin.in_features) * lin.in_features ** -0.5
+                if lin.storage == "fp4":
+                    packed, scale = formats.quantize_mxfp4(w)
+                    lin.weight.copy_(packed.view(torch.int8))
+                    lin.scale.copy_(scale.view(torch.float8_e8m0fnu))
+                elif lin.storage == "fp8":
+                    q, scale = formats.quantize_fp8_blocks(w)
+                    lin.weight.copy_(q.view(torch.float8_e4m3fn))
+                    lin.scale.copy_(scale.view(torch.float8_e8m0fnu))
+                else:
+                    lin.weight.copy_(w)
+    return moe
+
+
+def _paths(moe: MoE, x, weights, ids, counts, shared) -> dict[str, torch.Tensor]:
+    first = moe.experts[0]
+    swiglu = functools.partial(batched_swiglu, limit=first.limit, act_quant=first.w1.quantized and
+                               moe.numerics.act_quant, n=moe.numerics)
+    every = {e: moe.experts[e] for e in range(moe.n_experts)}
+    stack = lambda chosen: tuple(torch.stack([getattr(moe.experts[e], name).dequantized_weight() for e in chosen])  # noqa: E731
+                                 for name in ("w1", "w3", "w2"))
+    return {
+        "batched": routed.batched(x, weights, ids, counts, stack, swiglu, shared),
+        "gathered": routed.gathered(x, weights, ids, stack(range(moe.n_experts)), swiglu, shared),
+        "sorted": routed.sorted_pairs(x, weights, ids, counts, moe.experts, shared),
+        "offloaded": routed.offloaded(x, weights, ids, counts, lambda chosen: {e: every[e] for e in chosen},
+                                      lambda y: y, shared),
+    }
+
+
+@pytest.mark.parametrize("storage", ["float", "quantized"])
+@pytest.mark.parametrize("numerics", [FP32, PLAIN], ids=["fp32", "plain"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
+    moe = _moe(storage)
+    for module in moe.modules():
+        if hasattr(module, "numerics"):
+            module.numerics = numerics
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        weights, ids = moe.gate(x, None)
+        counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
+        shared = moe.shared_experts(x).float()
+        want = routed.grouped(x, weights, ids, {e: moe.experts[e] for e in counts.nonzero().flatten().tolist()},
+                              shared)
+        got = _paths(moe, x, weights, ids, counts, shared)
+    assert set(got) | {"grouped"} == set(routed.ROUTED_PATHS)
+    for path, y in got.items():
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{path}: {m}")
+
+
+def test_choose_takes_the_calls_facts():
+    step = dict(static=False, offloaded=False, pairs=8, fp32_experts=True)
+    assert routed.choose(FP32, **step) == "batched"
+    assert routed.choose(FP32, **{**step, "pairs": routed.BATCHED_PAIRS + 1}) == "grouped"  # a prefill
+    assert routed.choose(FP32, **{**step, "fp32_experts": False}) == "grouped"  # "stored" weights
+    assert routed.choose(FP32, **{**step, "static": True}) == "gathered"
+    assert routed.choose(FP32, **{**step, "offloaded": True}) == "offloaded"
+    assert routed.choose(TRAIN, **step) == "sorted"
