@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements/cpu.txt
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/python -m openflash.kernels  # builds the native kernels (or says why the PyTorch path will serve)
 	touch $(STAMP)
 
 setup: $(STAMP)

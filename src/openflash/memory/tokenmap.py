@@ -24,6 +24,7 @@ import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
 from openflash.errors import ConfigError, OpenflashError
+from openflash.files.cache import cache_dir
 
 if TYPE_CHECKING:
     from openflash.config import FlashConfig
@@ -77,12 +78,6 @@ def _compute_token_map(tokenizer: Tokenizer, num_ids: int) -> np.ndarray:
         # First occurrence wins: the smallest token id with a key fixes that key's compressed id.
         out[token_id] = key_to_id.setdefault(key, len(key_to_id))
     return out
-
-
-def cache_dir() -> Path:
-    """Where derived artefacts are cached: $OPENFLASH_CACHE, else ~/.cache/openflash."""
-    root = os.environ.get("OPENFLASH_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "openflash"
 
 
 def _cache_path(tokenizer: Tokenizer, num_ids: int) -> Path:

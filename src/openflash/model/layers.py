@@ -8,9 +8,11 @@ Two residencies (`Linear.keep_dequantized`, set model-wide by `Transformer.set_w
 - "dequantized" (the default for models that fit): quantized weights are dequantized to fp32 once and cached (the
   CPU path is compute-bound on small models, and re-dequantizing every call costs more than the matmul); the cache
   is rebuilt when the stored bytes change.
-- "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16); each
-  call dequantizes one tile of output rows at a time (at most TILE_BYTES of fp32) and multiplies it in fp32, so
-  memory is the checkpoint's size plus one tile. Same values, same fp32 arithmetic.
+- "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16). Up to
+  16 rows on a CPU with AVX2 (decode, batched decode, verification) are multiplied by the native kernels straight
+  from those bytes (kernels/: decoded in registers, the activation QDQ fused); otherwise each call dequantizes one
+  tile of output rows at a time (at most TILE_BYTES of fp32) and multiplies it in fp32, so memory is the
+  checkpoint's size plus one tile. Same values, same fp32 arithmetic (to summation order).
 Inputs to quantized weights are FP8-quantized per 32 channels first, as the reference's GEMMs do.
 """
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash import formats
+from openflash.kernels import native
 from openflash.model.compiled import graph_linear, rowwise
 from openflash.model.numerics import FP32, Numerics
 
@@ -101,6 +104,11 @@ class Linear(nn.Module, NumericsMixin):
         return self.storage != "float"
 
     @property
+    def native_format(self) -> bool:
+        """Stored in a format the native kernels read: FP8, FP4 or a bf16 matrix."""
+        return self.quantized or self.weight.dtype == torch.bfloat16
+
+    @property
     def fp32_resident(self) -> bool:
         """The fp32 weight is at hand without converting: an fp32 parameter, or the dequantized cache."""
         return self.weight.dtype == torch.float32 or self.keep_dequantized
@@ -176,6 +184,9 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not layer.fp32_resident and layer.native_format and not x.requires_grad and native.serves(x, layer.weight):
+            y = _native_linear(layer, x)
+            return y if layer.exact_fp32 else layer.numerics.round(y)
         if layer.quantized and layer.numerics.act_quant:
             x = self.act_quant(x)
         if layer.fp32_resident:
@@ -196,6 +207,19 @@ class CompiledLayerKernels(LayerKernels):
 
     def act_quant(self, x: torch.Tensor) -> torch.Tensor:
         return rowwise(formats.act_quant_qdq, x)
+
+
+def _native_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x W^T from the stored bytes by the native kernels (kernels/native.py), the activation QDQ in the call."""
+    x2 = x.reshape(-1, layer.in_features).float()
+    act_qdq = layer.quantized and layer.numerics.act_quant
+    if layer.storage == "fp8":
+        y = native.fp8_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
+    elif layer.storage == "fp4":
+        y = native.fp4_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
+    else:  # a bf16 matrix kept as stored
+        y = native.bf16_gemv(x2, layer.weight)
+    return y.view(*x.shape[:-1], layer.out_features)
 
 
 def _tiled_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""Native products on weights as stored (kernels/gemv.c): build, load, and the torch custom ops that call them.
+
+The C file is compiled once per source version with the system C compiler (the gcc `--compile` needs as well) into
+the cache folder ($OPENFLASH_CACHE/kernels, else ~/.cache/openflash/kernels): by `make setup`
+(`python -m openflash.kernels build`) or at first use, and loaded with ctypes. Its AVX2 + FMA + F16C code is chosen
+at run time on the CPU's flags. The ops are torch custom ops with fake implementations, so a traced graph calls
+them as single nodes. Where the library cannot be built, or the CPU lacks those flags, `status()` says why and
+`model/layers.py` keeps its PyTorch path, which is also what every kernel test compares against.
+
+Results equal dequantize-then-fp32-matmul to fp32 summation order (8 lanes, then a horizontal sum).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from openflash.files.cache import cache_dir
+
+log = logging.getLogger("openflash.kernels")
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+MAX_ROWS = 16  # activation rows per call (decode, batched decode, speculative verification)
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the kernels run here, and if not, why (for logs and `python -m openflash.kernels`)."""
+
+    library: ctypes.CDLL | None
+    reason: str  # what was loaded, or why nothing was
+
+    @property
+    def available(self) -> bool:
+        return self.library is not None
+
+
+def library_path() -> Path:
+    """Where this source version's library lives (its name carries the hash of the source and flags)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"libopenflash_gemv-{digest}.so"
+
+
+def build() -> Path:
+    """Compile the library if this version is not built yet; returns its path. Raises RuntimeError naming the
+    compiler's complaint."""
+    target = library_path()
+    if target.is_file():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc on PATH, or $CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: parallel builds race
+        out = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    log.info("built the native kernels: %s", target)
+    return target
+
+
+@lru_cache(maxsize=None)
+def status() -> Status:
+    """The loaded library, built first if needed (once per process), or why there is none."""
+    if os.environ.get("OPENFLASH_KERNELS", "1") == "0":
+        return Status(None, "turned off by OPENFLASH_KERNELS=0")
+    if not (torch.backends.cpu.get_cpu_capability() or "").startswith(("AVX2", "AVX512")):
+        return Status(None, f"this CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()!r})")
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("native kernels unavailable, stored weights use the PyTorch path: %s", exc)
+        return Status(None, str(exc))
+    if not lib.of_cpu_supported():
+        return Status(None, "this CPU lacks AVX2, FMA or F16C")
+    f32, u8, u16, i = (ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8),
+                       ctypes.POINTER(ctypes.c_uint16), ctypes.c_int)
+    for name in ("of_fp8_gemv", "of_fp4_gemv"):
+        getattr(lib, name).argtypes = [f32, u8, u8, f32, i, i, i, i, i]
+    lib.of_bf16_gemv.argtypes = [f32, u16, f32, i, i, i, i]
+    return Status(lib, f"AVX2 kernels from {library_path()}")
+
+
+def _ptr(t: torch.Tensor, kind: type) -> ctypes.c_void_p:
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(kind))
+
+
+def _run(name: str, x: torch.Tensor, *args) -> None:
+    code = getattr(status().library, name)(*args)
+    if code != 0:
+        raise RuntimeError(f"{name} refused its arguments (code {code}): x {tuple(x.shape)}")
+
+
+# ---- the custom ops ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("openflash::fp8_gemv", mutates_args=())
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times an FP8 E4M3 weight [N, K] (its bytes) with UE8M0 scales per 32 x 32 block
+    [ceil(N/32), K/32]; act_qdq: FP8-QDQ x per 32 channels first. Returns [R, N] fp32."""
+    x = x.contiguous()
+    R, K = x.shape
+    N = weight.shape[0]
+    y = x.new_empty(R, N)
+    _run("of_fp8_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
+         _ptr(y, ctypes.c_float), R, N, K, int(act_qdq), torch.get_num_threads())
+    return y
+
+
+@fp8_gemv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("openflash::fp4_gemv", mutates_args=())
+def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
+    with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
+    x = x.contiguous()
+    R, K = x.shape
+    N = weight.shape[0]
+    y = x.new_empty(R, N)
+    _run("of_fp4_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
+         _ptr(y, ctypes.c_float), R, N, K, int(act_qdq), torch.get_num_threads())
+    return y
+
+
+@fp4_gemv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("openflash::bf16_gemv", mutates_args=())
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times a bf16 weight [N, K]. Returns [R, N] fp32."""
+    x = x.contiguous()
+    R, K = x.shape
+    N = weight.shape[0]
+    y = x.new_empty(R, N)
+    _run("of_bf16_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint16), _ptr(y, ctypes.c_float), R, N, K,
+         torch.get_num_threads())
+    return y
+
+
+@bf16_gemv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of x [..., K] with this stored weight runs natively: kernels here, a CPU tensor, at most
+    MAX_ROWS rows, whole 32-blocks of K."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
+            and x.shape[-1] % BLOCK == 0 and status().available)
+
+
+__all__ = ["Status", "status", "build", "library_path", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "MAX_ROWS"]

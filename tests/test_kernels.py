@@ -1,0 +1,136 @@
+"""The native products on stored weights (kernels/) against their oracle, the PyTorch path: dequantize, then an
+fp32 matmul (after the FP8 activation QDQ where the call asks for it). Never bitwise: the kernels sum in another
+order (8 lanes, then a horizontal sum)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openflash import formats
+from openflash.kernels import native
+from openflash.model.layers import Linear
+from openflash.model.numerics import FP32, PLAIN
+
+pytestmark = pytest.mark.skipif(not native.status().available, reason=f"no native kernels: {native.status().reason}")
+
+E4M3_CODES = [c for c in range(256) if c & 0x7F != 0x7F]  # every code but the two NaNs (never a weight)
+EXTREME_SCALES = [0, 1, 2, 100, 126, 127, 128, 160, 200]  # UE8M0 bytes: 2^-127 (subnormal) .. 2^73
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to fp32 summation order: relative to each output row's magnitude."""
+    scale = want.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    assert torch.isfinite(got).all() and ((got - want).abs() / scale).max() < 1e-5, ((got - want).abs() / scale).max()
+
+
+def _fp8_weight(n: int, k: int, g: torch.Generator, scales=EXTREME_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.tensor(E4M3_CODES, dtype=torch.uint8)[torch.randint(len(E4M3_CODES), (n, k), generator=g)]
+    pick = torch.tensor(scales, dtype=torch.uint8)
+    return codes, pick[torch.randint(len(scales), (-(-n // 32), k // 32), generator=g)]
+
+
+def _fp4_weight(n: int, k: int, g: torch.Generator, scales=EXTREME_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.randint(256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)  # every E2M1 pair
+    pick = torch.tensor(scales, dtype=torch.uint8)
+    return packed, pick[torch.randint(len(scales), (n, k // 32), generator=g)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("n, k", [(37, 32), (70, 160), (256, 96)])
+@pytest.mark.parametrize("act_qdq", [False, True])
+def test_fp8_and_fp4_products_equal_the_dequantized_matmul(rows, n, k, act_qdq):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, k)  # magnitudes across many FP8 activation scales
+    xin = formats.act_quant_qdq(x) if act_qdq else x
+    q, s = _fp8_weight(n, k, g)
+    _close(native.fp8_gemv(x, q, s, act_qdq), xin @ formats.dequantize_fp8_blocks(q, s).t())
+    packed, s4 = _fp4_weight(n, k, g)
+    _close(native.fp4_gemv(x, packed, s4, act_qdq), xin @ formats.dequantize_mxfp4(packed, s4).t())
+
+
+def test_every_code_decodes_as_the_format_says():
+    """A one-hot activation reads single weights back: every E4M3 code and every E2M1 nibble, at unit scale."""
+    k = 32 * 16
+    codes = torch.tensor(E4M3_CODES + [0] * (k - len(E4M3_CODES)), dtype=torch.uint8).view(1, k)
+    unit = torch.full((1, k // 32), 127, dtype=torch.uint8)
+    eye = torch.eye(k)[: len(E4M3_CODES)]
+    got = torch.cat([native.fp8_gemv(eye[i:i + 16], codes, unit, False) for i in range(0, len(eye), 16)])
+    assert torch.equal(got[:, 0], formats.e4m3_decode(codes[0, : len(E4M3_CODES)]))
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 256)  # every (low, high) nibble pair
+    got = torch.cat([native.fp4_gemv(torch.eye(512)[i:i + 16], packed, unit, False) for i in range(0, 512, 16)])
+    assert torch.equal(got[:, 0], formats.dequantize_mxfp4(packed, unit)[0])
+
+
+def test_bf16_products_and_rows_not_divisible_by_the_vector_width():
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((5, 7), (33, 100), (64, 4096)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        for rows in (1, 16):
+            x = torch.randn(rows, k, generator=g)
+            _close(native.bf16_gemv(x, w), x @ w.float().t())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_and_two_threads_agree(threads):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 256, generator=g)
+    packed, s4 = _fp4_weight(300, 256, g, scales=[120, 127, 130])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.fp4_gemv(x, packed, s4, True)
+    finally:
+        torch.set_num_threads(before)
+    _close(got, formats.act_quant_qdq(x) @ formats.dequantize_mxfp4(packed, s4).t())
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_a_stored_linear_uses_them_and_equals_the_pytorch_path(storage, monkeypatch):
+    """`Linear` in "stored" residency: up to 16 rows go through the kernels, more through dequantized tiles; both
+    equal the PyTorch path the kernels replace, for fp32 (activation QDQ) and plain numerics."""
+    torch.manual_seed(0)
+    lin = Linear(256, 96, storage)
+    w = torch.randn(96, 256) * 256 ** -0.5
+    if storage == "fp8":
+        q, s = formats.quantize_fp8_blocks(w)
+        lin.weight.copy_(q.view(torch.float8_e4m3fn))
+    else:
+        q, s = formats.quantize_mxfp4(w)
+        lin.weight.copy_(q.view(torch.int8))
+    lin.scale.copy_(s.view(torch.float8_e8m0fnu))
+    lin.keep_dequantized = False
+    calls = []
+    product = getattr(native, f"{storage}_gemv")
+    monkeypatch.setattr(native, f"{storage}_gemv", lambda *a: calls.append(a[0].shape) or product(*a))
+    for numerics in (FP32, PLAIN):
+        lin.numerics = numerics
+        for rows in (1, 16, 17):
+            x = torch.randn(rows, 256)
+            got = lin(x)
+            with monkeypatch.context() as off:
+                off.setattr(native, "serves", lambda *a: False)
+                want = lin(x)
+            _close(got, want)
+    assert calls == [(1, 256), (16, 256)] * 2  # 17 rows: the tiled path
+
+
+def test_the_ops_trace_as_single_nodes():
+    """torch.compile sees each product as one custom op (its fake implementation gives the shape): no graph
+    break, so a compiled graph can call them."""
+    g = torch.Generator().manual_seed(1)
+    q, s = _fp8_weight(64, 64, g, scales=[127])
+    packed, s4 = _fp4_weight(64, 64, g, scales=[127])
+    wb = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+
+    def f(x):
+        return native.fp8_gemv(x, q, s, True) + native.fp4_gemv(x, packed, s4, True) + native.bf16_gemv(x, wb)
+
+    x = torch.randn(2, 64, generator=g)
+    torch._dynamo.reset()
+    _close(torch.compile(f, fullgraph=True, backend="eager")(x), f(x))
+
+
+def test_the_status_names_its_library():
+    s = native.status()
+    assert s.available and str(native.library_path()) in s.reason and native.library_path().is_file()
