@@ -1,0 +1,131 @@
+"""The native products on stored weights (src/openflash/kernels/) at the released shapes, in GB/s of stored bytes
+read, against a read-bandwidth probe measured in the same run, with the PyTorch path they replace beside them.
+
+    python benchmarks/kernels.py [--rows 1 4 16] [--threads 2] [--out benchmarks/results/kernels.json]
+
+Shapes (DeepSeek-V4.1-Flash): a routed expert's w1/w3 (5120 -> 2304) and w2 (2304 -> 5120) in MXFP4, the
+attention's wq_a (5120 -> 1280) and wo_b (8192 -> 5120) in FP8, the head (5120 -> 129280) in bf16. Each is cycled
+over enough copies to exceed the last-level cache, so every product reads its weight from RAM. The PyTorch path:
+`Linear` in "stored" residency with the kernels off (FP8 activation QDQ, then one dequantized fp32 tile at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from openflash import formats
+from openflash.kernels import native
+from openflash.model.layers import Linear
+from openflash.model.numerics import FP32
+
+RESULTS = Path(__file__).parent / "results"
+SHAPES = [("expert w1/w3", "fp4", 2304, 5120), ("expert w2", "fp4", 5120, 2304), ("attn wq_a", "fp8", 1280, 5120),
+          ("attn wo_b", "fp8", 5120, 8192), ("head", "bf16", 129280, 5120)]
+WORKING_SET = 512 << 20  # bytes of weights cycled through: far past any last-level cache here
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s of summing a buffer larger than the caches (torch's threads), the best of `reps`."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def stored_linear(fmt: str, n: int, k: int, g: torch.Generator) -> Linear:
+    """A Linear holding random weights as the checkpoint stores them, in "stored" residency."""
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    lin = Linear(k, n, "float" if fmt == "bf16" else fmt)
+    with torch.no_grad():
+        if fmt == "fp8":
+            q, s = formats.quantize_fp8_blocks(w)
+            lin.weight.copy_(q.view(torch.float8_e4m3fn))
+            lin.scale.copy_(s.view(torch.float8_e8m0fnu))
+        elif fmt == "fp4":
+            q, s = formats.quantize_mxfp4(w)
+            lin.weight.copy_(q.view(torch.int8))
+            lin.scale.copy_(s.view(torch.float8_e8m0fnu))
+        else:
+            lin.weight = torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+    lin.keep_dequantized, lin.numerics = False, FP32
+    return lin
+
+
+def stored_bytes(lin: Linear) -> int:
+    return sum(t.numel() * t.element_size() for t in (lin.weight, getattr(lin, "scale", None)) if t is not None)
+
+
+@torch.no_grad()
+def time_products(lins: list[Linear], x: torch.Tensor, reps: int) -> float:
+    """Median seconds of one product, cycling over the copies (one warm pass first)."""
+    for lin in lins:
+        lin(x)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for lin in lins:
+            lin(x)
+        times.append((time.perf_counter() - start) / len(lins))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pytorch-rows", type=int, nargs="*", default=[1], help="rows the PyTorch path is timed at")
+    ap.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
+    args = ap.parse_args()
+    if not native.status().available:
+        raise SystemExit(f"no native kernels here: {native.status().reason}")
+    torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth()
+    print(f"{args.threads} threads; read probe {bandwidth / 1e9:.1f} GB/s; {native.status().reason}", flush=True)
+    g = torch.Generator().manual_seed(0)
+    rows_out = []
+    for name, fmt, n, k in SHAPES:
+        first = stored_linear(fmt, n, k, g)
+        copies = max(2, WORKING_SET // stored_bytes(first))
+        lins = [first] + [stored_linear(fmt, n, k, g) for _ in range(copies - 1)]
+        nbytes = stored_bytes(first)
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=g)
+            row = {"shape": name, "format": fmt, "out": n, "in": k, "rows": rows, "weight_bytes": nbytes,
+                   "copies": copies}
+            seconds = time_products(lins, x, args.reps)
+            row.update(kernel_ms=1e3 * seconds, kernel_gbps=nbytes / seconds / 1e9,
+                       kernel_of_bandwidth=nbytes / seconds / bandwidth)
+            if rows in args.pytorch_rows:
+                off = native.serves
+                native.serves = lambda *a: False  # the PyTorch path: what the kernels replace
+                try:
+                    seconds = time_products(lins[:2], x, 2)
+                finally:
+                    native.serves = off
+                row.update(pytorch_ms=1e3 * seconds, pytorch_gbps=nbytes / seconds / 1e9)
+                row["speedup"] = row["pytorch_ms"] / row["kernel_ms"]
+            rows_out.append(row)
+            print(f"{name:<13} {fmt:<4} {n:>6} x {k:<5} rows {rows:>2}: {row['kernel_ms']:8.3f} ms "
+                  f"{row['kernel_gbps']:5.1f} GB/s ({100 * row['kernel_of_bandwidth']:4.1f}% of the probe)"
+                  + (f"; PyTorch path {row['pytorch_ms']:8.2f} ms (x{row['speedup']:.0f})" if "pytorch_ms" in row
+                     else ""), flush=True)
+        del lins
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"threads": args.threads, "read_bandwidth": bandwidth,
+                                    "cpu": torch.backends.cpu.get_cpu_capability(), "results": rows_out}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
