@@ -421,3 +421,42 @@ def test_partial_checkpoint_folders_are_removed_at_start(dataset: Path, tmp_path
     (partial / "model.safetensors").write_bytes(b"half")
     _fit(dataset, out, steps=1)
     assert not partial.exists() and latest_checkpoint(out).name == "step_00000001"
+
+
+def test_init_fine_tunes_a_checkpoint_from_its_own_weights(dataset: Path, tmp_path: Path) -> None:
+    """`train --init`: a run trained here, then saved in the official FP8/FP4 layout, fine-tuned from that file; the
+    fine-tuning model starts at the checkpoint's values (dequantized, as fp32 master weights), its first evaluation
+    is the checkpoint's own loss, and training lowers it. Data of another tokenizer is refused."""
+    from openflash.checkpoint import load_checkpoint, save_checkpoint
+    from openflash.files.run_dir import latest_checkpoint
+
+    base, _ = _fit(dataset, tmp_path / "base", steps=6, eval_every=0)
+    stored = save_checkpoint(base.model, tmp_path / "fp8", dtype="fp8", tokenizer_json=dataset / "tokenizer.json")
+    want, _ = load_checkpoint(stored, weights="dequantized")
+    tuned, _ = _fit(dataset, tmp_path / "tuned", init=str(stored), steps=8, eval_every=0, lr=1e-3)
+    start = open_model(str(latest_checkpoint(tmp_path / "tuned")), weights="dequantized")
+    assert all(p.dtype == torch.float32 for p in tuned.model.parameters())  # fp32 master weights
+    lines = [json.loads(x) for x in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in lines if "val_loss" in r]
+    with torch.no_grad():
+        base = Runtime.of(want, load_tokenizer(dataset / "tokenizer.json"))
+        base_loss = sum(float(base.forward(x, y).loss) * y.numel() for x, y in tuned.eval_set) / \
+            sum(y.numel() for _, y in tuned.eval_set)
+    # The checkpoint's own loss (the trainer evaluates under the train numerics, the loaded FP8 model under fp32).
+    assert abs(evals[0] - base_loss) < 0.01 * base_loss, (evals, base_loss)
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    from openflash.model.layers import Linear
+    from openflash.model.numerics import TRAIN
+    from openflash.train.dataset import TokenDataset
+    from openflash.train.finetune import init_model
+
+    fresh, _, _ = init_model(str(stored), TokenDataset(dataset, "train"), TRAIN)
+    linears = [(n, m) for n, m in want.named_modules() if isinstance(m, Linear)]
+    assert linears and all(torch.equal(fresh.get_submodule(n).weight, m.dequantized_weight()) for n, m in linears)
+    assert start.cfg.weight_dtype == "fp32" and start.cfg.vocab_size == want.cfg.vocab_size
+    other = tmp_path / "other_data"
+    files = make_corpus(tmp_path / "other_corpus", files=6)
+    train_bpe_tokenizer(files, 400, tmp_path / "other_tok.json")
+    prepare_dataset([tmp_path / "other_corpus"], tmp_path / "other_tok.json", other, val_fraction=0.2, progress=False)
+    with pytest.raises(OpenflashError, match="prepared with another tokenizer"):
+        _fit(other, tmp_path / "refused", init=str(stored), steps=2)

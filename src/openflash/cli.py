@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train a DSpark drafter for the --init model (its backbone frozen); --out: the checkpoint "
                             "folder written")
     train.add_argument("--init", default=None,
-                       help="with --dspark or --vision-data: the model to start from (run folder, checkpoint; a preset "
-                            "for --vision-data)")
+                       help="the model to start from: with --data, fine-tune a checkpoint or run folder (its weights as "
+                            "fp32 master weights; the data prepared with its tokenizer); with --dspark or --vision-data, "
+                            "the model to draft for or to tune (a preset too for --vision-data)")
     train.add_argument("--vision-data", default=None, metavar="PAIRS.jsonl",
                        help="fine-tune the --init model (with a vision tower) on image+text pairs: one JSON object a "
                             "line, {\"image\": \"a.png\", \"prompt\": \"...\", \"text\": \"...\"} (paths relative to "

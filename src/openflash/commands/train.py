@@ -86,8 +86,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train(args: argparse.Namespace) -> int:
-    """`openflash train --data DIR --out RUN [...]` (also under torchrun: data parallel over the ranks), or
-    `openflash train --dspark --init RUN --out DIR`: a drafter for a trained model."""
+    """`openflash train --data DIR --out RUN [--init MODEL] [...]` (also under torchrun: data parallel over the
+    ranks; --init fine-tunes a checkpoint), or `openflash train --dspark --init RUN --out DIR`: a drafter for a
+    trained model."""
     if args.dspark and args.vision_data:
         raise OpenflashError("--dspark and --vision-data are separate runs; give one")
     if args.compile and (args.dspark or args.vision_data):
@@ -97,8 +98,6 @@ def train(args: argparse.Namespace) -> int:
         return train_dspark(args)
     if args.vision_data:
         return train_vision_pairs(args)
-    if args.init is not None:
-        raise OpenflashError("--init is for --dspark (a drafter for a trained model) or --vision-data")
     if args.data is None:
         raise OpenflashError("--data is required (a folder written by `openflash data prepare`)")
     cfg = config_from_args(args)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -42,13 +43,15 @@ from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
-from openflash.memory.tokenmap import build_compressed_token_map
+from openflash.memory.frontend import EngramFrontend
+from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.numerics import TRAIN
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads
+from openflash.train.finetune import init_model
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
@@ -59,7 +62,7 @@ from openflash.train.threads import ThreadTuner
 PLAN_AT_STEPS = (4, 12, 30, 60, 100)
 
 # Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
-RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup")
+RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup", "init")
 
 log = logging.getLogger("openflash.train")
 
@@ -94,6 +97,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
+    init: str | None = None  # fine-tune: start from this checkpoint, run folder or preset (train/finetune.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -175,15 +179,29 @@ class Trainer:
                 except OpenflashError as exc:
                     raise OpenflashError(f"--resume: {exc} (--no-verify resumes anyway)") from None
             self.model_cfg = load_config(self.resume_from)
-        else:
+        elif cfg.init is None:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
         torch.manual_seed(cfg.seed)
         if cfg.compile:
             check_toolchain("cpu")
-        self.model = build_model(self.model_cfg, TRAIN.with_compile(cfg.compile)).train()
-        # The model's own tables, addressed through the data's tokenizer; gathered inside autograd.
-        self.runtime = Runtime.of(self.model, load_tokenizer(self.tokenizer_path))
+        numerics = TRAIN.with_compile(cfg.compile)
+        # A fine-tuning run keeps its checkpoint's Engram addressing: the token map it carries (copied into every
+        # checkpoint of the run, so a resume reads it back), else its tokenizer's.
+        self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
+        frontend = None
+        if cfg.init is not None and self.resume_from is None:
+            self.model, frontend, init_folder = init_model(cfg.init, self.train_data, numerics)
+            self.model_cfg = self.model.cfg
+            self.token_map_file = find_token_map_file(init_folder) if init_folder is not None else None
+        else:
+            self.model = build_model(self.model_cfg, numerics)
+        if frontend is None and self.token_map_file is not None:
+            frontend = EngramFrontend.from_token_map(self.model_cfg, TokenMap.from_file(self.token_map_file,
+                                                                                         self.model_cfg))
+        self.model.train()
+        # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
+        self.runtime = Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
@@ -428,6 +446,8 @@ class Trainer:
 
         def write(folder: Path) -> None:
             save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
+            if self.token_map_file is not None:
+                shutil.copy(self.token_map_file, folder / self.token_map_file.name)
             torch.save(self.state_dict(), folder / STATE_FILE)
             write_manifest(folder)  # again, now covering the trainer state too
 

@@ -1,0 +1,67 @@
+"""Fine-tuning from a checkpoint (`openflash train --init MODEL`): its weights become fp32 master weights.
+
+A checkpoint in the official layout holds FP8 dense weights, FP4 experts, FP8 Engram rows and bf16 tensors; full
+fine-tuning trains a model of the same architecture with every weight in fp32 ("float" storage), initialised with
+the checkpoint's values dequantized exactly (checkpoint.md §4). Its Engram addressing (the token map it carries, or
+its tokenizer's) comes along, and the data must have been prepared with a tokenizer of its vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from openflash import formats
+from openflash.checkpoint import build_model, open_model
+from openflash.config import FlashConfig
+from openflash.errors import OpenflashError
+from openflash.memory.frontend import EngramFrontend
+from openflash.model.engram_table import DeviceTable
+from openflash.model.layers import Linear
+from openflash.model.numerics import Numerics
+from openflash.model.transformer import Transformer
+from openflash.tokenizer import tokenizer_sha256
+from openflash.train.dataset import TokenDataset
+
+
+def fp32_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's state with every stored weight as its fp32 value: quantized linears and bf16 matrices
+    dequantized, FP8 Engram rows decoded; their scales dropped."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, Linear):
+            state[prefix + "weight"] = module.dequantized_weight().detach().float().clone()
+        elif isinstance(module, DeviceTable) and module.storage == "fp8":
+            state[prefix + "weight"] = formats.dequantize_fp8_rows(module.weight, module.scale)
+    for key, value in model.state_dict().items():
+        owner = key.rsplit(".", 1)[0]
+        if key not in state and not (key.endswith(".scale") and owner + ".weight" in state):
+            state[key] = value.detach().float() if value.is_floating_point() else value
+    return state
+
+
+def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tuple[Transformer,
+                                                                                 EngramFrontend | None, Path | None]:
+    """The checkpoint (or run folder, or preset) `init` as an fp32 model to train, its Engram frontend, and its
+    folder (None for a preset). data: the prepared training data, whose tokenizer must be the model's."""
+    runtime = open_model(str(init), numerics="fp32", weights="dequantized")
+    cfg: FlashConfig = runtime.cfg
+    own = runtime.folder / "tokenizer.json" if runtime.folder is not None else None
+    if (own is not None and own.is_file() and tokenizer_sha256(own) != data.tokenizer_sha256) or \
+            data.vocab_size > cfg.vocab_size:
+        raise OpenflashError(f"--init {init}: {data.data_dir} was prepared with another tokenizer "
+                             f"({data.vocab_size} ids; the model has {cfg.vocab_size}"
+                             f"{', and its own tokenizer.json' if own is not None and own.is_file() else ''}): "
+                             f"prepare it with the model's (`openflash data prepare ... --tokenizer "
+                             f"{runtime.folder or init}`)")
+    model = build_model(cfg.replace(weight_dtype="fp32", expert_dtype="fp32"), numerics)
+    missing, unexpected = model.load_state_dict(fp32_state(runtime.model), strict=False)
+    if missing or unexpected:
+        raise OpenflashError(f"--init {init}: its weights do not map onto an fp32 model of its config (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})")
+    return model, runtime.frontend, runtime.folder
+
+
+__all__ = ["fp32_state", "init_model"]
