@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out for validation")
     prep.add_argument("--glob", default="*.py,*.txt,*.md", help="comma-separated file patterns when walking folders")
     prep.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    prep.add_argument("--chats", action="store_true",
+                      help="the sources are JSONL files of OpenAI-style conversations ({\"messages\": [...], "
+                           "\"tools\": [...]}): rendered with the chat template, trained on the assistant replies only")
+    prep.add_argument("--chat-template", default="auto", choices=["auto", "deepseek-v4.1", "simple"],
+                      help="with --chats: the template (auto: deepseek-v4.1 for the released tokenizer, else simple)")
 
     tok = sub.add_parser("tokenizer", help="tokenizers")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")

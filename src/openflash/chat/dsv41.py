@@ -214,6 +214,11 @@ class DeepSeekV41Format:
         text += "\n\n".join(turn.blocks)
         return text + (dsml.render_calls(turn.tool_calls) if turn.tool_calls else "")
 
+    def reply_text(self, turn: Turn, options: ChatOptions) -> str:
+        """What the model writes for `turn` after the prompt `render` gives for the turns before it, EOS included
+        (supervised fine-tuning trains on exactly this)."""
+        return self.completion_text(turn, options.thinking) + EOS
+
     def parser(self, options: ChatOptions) -> CompletionParser:
         tools = {t.name for t in options.tools} if options.tools_on else set()
         return CompletionParser(options.thinking, tools)

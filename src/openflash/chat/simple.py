@@ -54,9 +54,14 @@ class SimpleFormat:
             elif turn.role == "tool":
                 out.append(f"{USER}[tool result {turn.tool_call_id or ''}]\n{turn.text}")
             elif turn.role == "assistant":
-                calls = "".join(f"\n[tool call {c.id}] {c.name} {c.arguments}" for c in turn.tool_calls)
-                out.append(ASSISTANT + turn.text + calls + self.eos)
+                out.append(ASSISTANT + self.reply_text(turn, options))
         return "".join(out) + ASSISTANT
+
+    def reply_text(self, turn: Turn, options: ChatOptions) -> str:
+        """What the model writes for `turn` after the prompt `render` gives for the turns before it, EOS included
+        (supervised fine-tuning trains on exactly this)."""
+        calls = "".join(f"\n[tool call {c.id}] {c.name} {c.arguments}" for c in turn.tool_calls)
+        return turn.text + calls + self.eos
 
     def parser(self, options: ChatOptions) -> CompletionParser:
         return CompletionParser(thinking=False)

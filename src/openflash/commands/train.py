@@ -60,7 +60,14 @@ def train_vision_pairs(args: argparse.Namespace) -> int:
 
 
 def data_prepare(args: argparse.Namespace) -> int:
-    """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`."""
+    """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`, or
+    with `--chats`, JSONL conversations rendered with the chat template, trained on the replies only."""
+    if args.chats:
+        from openflash.train.chats import prepare_chats
+
+        prepare_chats(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
+                      template=args.chat_template)
+        return 0
     prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
                     patterns=parse_patterns(args.glob), seed=args.seed)
     return 0

@@ -107,17 +107,26 @@ def _run(name: str, x: torch.Tensor, *args) -> None:
 
 # ---- the custom ops ----------------------------------------------------------------------------------------------
 
+def _quantized(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    _run(name, x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
+         _ptr(y, ctypes.c_float), x.shape[0], weight.shape[0], x.shape[1], int(act_qdq), torch.get_num_threads())
+    return y
+
+
 @torch.library.custom_op("openflash::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
     """x [R, K] fp32 (R <= 16) times an FP8 E4M3 weight [N, K] (its bytes) with UE8M0 scales per 32 x 32 block
     [ceil(N/32), K/32]; act_qdq: FP8-QDQ x per 32 channels first. Returns [R, N] fp32."""
-    x = x.contiguous()
-    R, K = x.shape
-    N = weight.shape[0]
-    y = x.new_empty(R, N)
-    _run("of_fp8_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
-         _ptr(y, ctypes.c_float), R, N, K, int(act_qdq), torch.get_num_threads())
-    return y
+    return _quantized("of_fp8_gemv", x, weight, scale, act_qdq)
+
+
+@torch.library.custom_op("openflash::fp4_gemv", mutates_args=())
+def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
+    with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
+    return _quantized("of_fp4_gemv", x, weight, scale, act_qdq)
 
 
 @fp8_gemv.register_fake
@@ -125,22 +134,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool)
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("openflash::fp4_gemv", mutates_args=())
-def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
-    with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
-    x = x.contiguous()
-    R, K = x.shape
-    N = weight.shape[0]
-    y = x.new_empty(R, N)
-    _run("of_fp4_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
-         _ptr(y, ctypes.c_float), R, N, K, int(act_qdq), torch.get_num_threads())
-    return y
-
-
-@fp4_gemv.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+fp4_gemv.register_fake(_)
 
 
 @torch.library.custom_op("openflash::bf16_gemv", mutates_args=())

@@ -239,7 +239,10 @@ class Transformer(nn.Module):
         logits = self._logits(residual, pre, ctx)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            # The mean over trained targets (-100: not trained on, e.g. a chat prompt); 0 when a batch has none.
+            flat = targets.reshape(-1)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), flat, ignore_index=-100, reduction="sum") / \
+                (flat != -100).sum().clamp(min=1)
         indexer_loss = torch.stack(ctx.indexer_losses).mean() if ctx.indexer_losses else None
         main_hidden = self._hidden(ctx)
         return ForwardOutput(logits, loss, indexer_loss, None if main_hidden is None else main_hidden.values)

@@ -45,6 +45,11 @@ def docs_name(split: str) -> str:
     return f"{split}_docs.bin"
 
 
+def mask_name(split: str, index: int) -> str:
+    """The loss-mask shard beside token shard `index` (one byte a token: 1 = trained on)."""
+    return shard_name(f"{split}_mask", index)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Manifest
 
@@ -81,6 +86,8 @@ class Manifest:
     encodings: dict[str, int]  # documents per text encoding
     skipped: dict[str, Any]  # {"count": n, "by_reason": {reason: n}, "files": [{"path", "reason"}]}
     splits: dict[str, SplitInfo] = field(default_factory=dict)
+    loss_mask: bool = False  # chat data (train/chats.py): {split}_mask_NNNNN.bin beside each token shard
+    chat_template: str = ""  # the chat format its conversations were rendered with
 
     def run_args(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RUN_ARG_FIELDS}
@@ -147,6 +154,8 @@ class Manifest:
             encodings=get(raw, "encodings", dict, ""),
             skipped=get(raw, "skipped", dict, ""),
             splits=splits,
+            loss_mask=get(raw, "loss_mask", bool, "") if "loss_mask" in raw else False,
+            chat_template=get(raw, "chat_template", str, "") if "chat_template" in raw else "",
         )
 
 
@@ -183,6 +192,13 @@ class TokenDataset:
                 raise OpenflashError(f"shard {path} is {path.stat().st_size} bytes; {MANIFEST_FILE} says "
                                      f"{shard.num_tokens} tokens ({want} bytes)")
             self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+        self._masks: list[np.memmap] = []
+        for i, shard in enumerate(info.shards if self.manifest.loss_mask else ()):
+            path = self.data_dir / mask_name(split, i)
+            if not path.is_file() or path.stat().st_size != shard.num_tokens:
+                raise OpenflashError(f"loss mask {path} is missing or not {shard.num_tokens} bytes (one per token of "
+                                     f"{shard.file})")
+            self._masks.append(np.memmap(path, dtype=np.uint8, mode="r"))
         # starts[i] is the stream position of shard i's first token; starts[-1] is the total.
         self._starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in info.shards], dtype=np.int64)])
         self.num_tokens = int(info.num_tokens)
@@ -208,28 +224,41 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.num_tokens
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) of the stream as int64, across shard boundaries."""
+    @property
+    def loss_mask(self) -> bool:
+        """Whether only some tokens are trained on (chat data: the replies)."""
+        return bool(self._masks)
+
+    def read(self, start: int, length: int, masks: bool = False) -> np.ndarray:
+        """Tokens [start, start+length) of the stream as int64, across shard boundaries (masks: their loss-mask
+        bytes instead)."""
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"window [{start}, {start + length}) is outside the {self.num_tokens} tokens of "
                              f"{self.data_dir} ({self.split})")
+        source = self._masks if masks else self._shards
         out = np.empty(length, dtype=np.int64)
         filled = 0
         shard = int(np.searchsorted(self._starts, start, side="right")) - 1
         while filled < length:
             offset = start + filled - int(self._starts[shard])
-            take = min(length - filled, len(self._shards[shard]) - offset)
-            out[filled:filled + take] = self._shards[shard][offset:offset + take]
+            take = min(length - filled, len(source[shard]) - offset)
+            out[filled:filled + take] = source[shard][offset:offset + take]
             filled += take
             shard += 1
         return out
 
 
 def _windows(dataset: TokenDataset, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of windows of seq_len + 1 tokens; with a loss mask, targets not trained on are -100 (the
+    cross-entropy's ignore index)."""
     rows = np.stack([dataset.read(int(s), seq_len + 1) for s in starts]) if len(starts) else \
         np.empty((0, seq_len + 1), dtype=np.int64)
     tokens = torch.from_numpy(rows)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    targets = tokens[:, 1:].clone()
+    if dataset.loss_mask and len(starts):
+        mask = np.stack([dataset.read(int(s) + 1, seq_len, masks=True) for s in starts])
+        targets[torch.from_numpy(mask) == 0] = -100
+    return tokens[:, :-1].contiguous(), targets
 
 
 class BatchLoader:

@@ -48,14 +48,10 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
     folder (None for a preset). data: the prepared training data, whose tokenizer must be the model's."""
     runtime = open_model(str(init), numerics="fp32", weights="dequantized")
     cfg: FlashConfig = runtime.cfg
-    own = runtime.folder / "tokenizer.json" if runtime.folder is not None else None
-    if (own is not None and own.is_file() and tokenizer_sha256(own) != data.tokenizer_sha256) or \
-            data.vocab_size > cfg.vocab_size:
-        raise OpenflashError(f"--init {init}: {data.data_dir} was prepared with another tokenizer "
-                             f"({data.vocab_size} ids; the model has {cfg.vocab_size}"
-                             f"{', and its own tokenizer.json' if own is not None and own.is_file() else ''}): "
-                             f"prepare it with the model's (`openflash data prepare ... --tokenizer "
-                             f"{runtime.folder or init}`)")
+    if tokenizer_sha256(runtime.tokenizer) != data.tokenizer_sha256 or data.vocab_size > cfg.vocab_size:
+        raise OpenflashError(f"--init {init}: {data.data_dir} was prepared with another tokenizer ({data.vocab_size} "
+                             f"ids; the model has {cfg.vocab_size}): prepare it with the model's tokenizer "
+                             f"({runtime.tokenizer_source})")
     model = build_model(cfg.replace(weight_dtype="fp32", expert_dtype="fp32"), numerics)
     missing, unexpected = model.load_state_dict(fp32_state(runtime.model), strict=False)
     if missing or unexpected:

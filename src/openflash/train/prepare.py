@@ -58,7 +58,7 @@ def is_validation(rel_path: str, seed: int, val_fraction: float) -> bool:
 # Writing one split's token stream
 
 
-class _SplitWriter:
+class SplitWriter:
     """Appends documents to one split's shards and offsets file; recovers them to a committed state on resume."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict[str, int]):
@@ -180,7 +180,7 @@ def _corpus_sha256(files: list[tuple[int, SourceFile]]) -> str:
     return digest.hexdigest()
 
 
-def _check_eos(tokenizer: Tokenizer, path: Path) -> None:
+def check_eos(tokenizer: Tokenizer, path: Path) -> None:
     token = tokenizer.get_added_tokens_decoder().get(EOS_ID)
     if token is None or not token.special:
         raise OpenflashError(f"tokenizer {path}: id {EOS_ID} must be the end-of-sequence special token (ids follow the "
@@ -228,7 +228,7 @@ def prepare_dataset(
     out_dir = Path(out_dir)
     tok_path = resolve_tokenizer_path(tokenizer_spec)
     tokenizer = load_tokenizer(tok_path)
-    _check_eos(tokenizer, tok_path)
+    check_eos(tokenizer, tok_path)
     files = list(_walk_indexed(sources, patterns))
     if not files:
         raise OpenflashError(f"no files matching {','.join(patterns)} under {', '.join(map(str, sources))}")
@@ -304,7 +304,7 @@ def _tokenize(files: list[tuple[int, SourceFile]], tokenizer: Tokenizer, out_dir
     # Special-token text inside the corpus (e.g. a literal "<|eos|>") is tokenized as ordinary text, so documents
     # never contain a stray eos.
     tokenizer.encode_special_tokens = True
-    writers = {s: _SplitWriter(out_dir, s, dtype, args["shard_tokens"], state["splits"][s]) for s in SPLITS}
+    writers = {s: SplitWriter(out_dir, s, dtype, args["shard_tokens"], state["splits"][s]) for s in SPLITS}
     tokens_before = sum(w.num_tokens for w in writers.values())
     bar = tqdm(total=len(files), initial=state["files_done"], unit="file", desc="tokenizing", disable=not progress)
     try:

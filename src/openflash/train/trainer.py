@@ -380,8 +380,9 @@ class Trainer:
                     continue
                 x, y = inputs[lo:hi], targets[lo:hi]
                 out = self.runtime.forward(x, y)
-                total[0] += float(out.loss) * y.numel()
-                total[1] += y.numel()
+                trained = int((y != -100).sum())  # chat data: the reply tokens only
+                total[0] += float(out.loss) * trained
+                total[1] += trained
         finally:
             model.train(was_training)
         ctx.all_reduce_sum_(total)

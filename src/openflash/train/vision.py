@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from openflash.checkpoint import open_model, save_checkpoint
 from openflash.errors import OpenflashError
+from openflash.files.jsonl import jsonl_records
 from openflash.model.transformer import Transformer
 from openflash.model.vision import ImageRows
 from openflash.train.optim import Schedule
@@ -49,19 +50,8 @@ def read_pairs(path: str | Path, model_cfg, tokenizer: Tokenizer, max_len: int) 
     if model_cfg.vision is None:
         raise OpenflashError("this model has no vision tower (vision_config.num_hidden_layers = 0): --vision-data "
                              "needs one")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OpenflashError(f"{path}: cannot read ({exc})") from None
     examples = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise OpenflashError(f"{where}: not JSON ({exc})") from None
+    for where, record in jsonl_records(path):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise OpenflashError(f"{where}: each line must be an object with a string 'text'")
         images = record.get("images", [record["image"]] if "image" in record else [])

@@ -1,0 +1,157 @@
+"""Chat data for supervised fine-tuning: OpenAI-style conversations to token shards with a loss mask.
+
+    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "...", "reasoning_content": "...",
+                   "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{...}"}}],
+                   "tool_call_id": "c1"}, ...],
+     "tools": [{"type": "function", "function": {...}}]}          one conversation per line (tools optional)
+
+Each assistant turn becomes one example: the prompt the server would send for the turns before it (the model's own
+chat template, chat/: V4.1 for the released vocabulary, simple otherwise; thinking on when the turn has
+`reasoning_content`), tokenized on its own as the server does, then what the model writes for the turn
+(`reply_text`: reasoning, answer, tool calls, EOS). Only the reply's tokens are trained on: the loss mask, one byte
+per token beside the token shards (`{split}_mask_NNNNN.bin`), is 1 there and 0 on the prompt. The folder is the
+layout of train/dataset.py with `loss_mask` set in its manifest; a bad line is refused naming file, line and field.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from openflash.chat import chat_format
+from openflash.chat.conversation import ChatOptions, ToolCall, Turn, check_arguments, check_tool
+from openflash.errors import OpenflashError, RequestError
+from openflash.files.atomic import write_json_atomic
+from openflash.files.jsonl import jsonl_records
+from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
+from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo,
+                                     token_dtype)
+from openflash.train.prepare import SplitWriter, check_eos, is_validation
+from openflash.train.tokenizer import EOS_ID
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_conversation(raw: Any, where: str) -> tuple[list[Turn], ChatOptions]:
+    """A JSONL record as turns and options (tools); OpenflashError naming `where` and the field."""
+    try:
+        if not isinstance(raw, dict) or not isinstance(raw.get("messages"), list) or not raw["messages"]:
+            raise RequestError("expected an object with a non-empty 'messages' list", param="messages")
+        tools = tuple(check_tool(t, f"tools.{i}") for i, t in enumerate(raw.get("tools") or ()))
+        turns = [_turn(m, f"messages.{i}") for i, m in enumerate(raw["messages"])]
+    except RequestError as exc:
+        raise OpenflashError(f"{where}: {exc}") from None
+    if not any(t.role == "assistant" for t in turns):
+        raise OpenflashError(f"{where}: messages: no assistant turn to train on")
+    return turns, ChatOptions(tools=tools)
+
+
+def _turn(m: Any, where: str) -> Turn:
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RequestError(f"{where}.role: expected one of {list(ROLES)}", param=f"{where}.role")
+    role = "system" if m["role"] == "developer" else m["role"]
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(f"{where}.content: chat data takes text parts only", param=f"{where}.content")
+        parts = tuple(p["text"] for p in content)
+    elif isinstance(content, str) or content is None:
+        parts = (content,) if content else ()
+    else:
+        raise RequestError(f"{where}.content: expected a string or a list of text parts", param=f"{where}.content")
+    calls = []
+    for j, call in enumerate(m.get("tool_calls") or ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if role != "assistant" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{where}.tool_calls.{j}: an assistant turn's call needs function.name",
+                               param=f"{where}.tool_calls.{j}")
+        arguments = check_arguments(function.get("arguments", "{}"), f"{where}.tool_calls.{j}.function.arguments")
+        calls.append(ToolCall(call.get("id") or f"call_{j}", function["name"], arguments))
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise RequestError(f"{where}.reasoning_content: text, on assistant turns only", param=f"{where}.reasoning_content")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise RequestError(f"{where}.tool_call_id: a tool message must say which call it answers",
+                           param=f"{where}.tool_call_id")
+    return Turn(role, parts, reasoning, tuple(calls), m.get("tool_call_id"))
+
+
+def chat_examples(turns: list[Turn], options: ChatOptions, fmt: Any, tokenizer: Tokenizer,
+                  where: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reply ids) of each assistant turn: the prompt rendered from the turns before it."""
+    out = []
+    for i, turn in enumerate(turns):
+        if turn.role != "assistant":
+            continue
+        turn_options = ChatOptions(thinking=turn.reasoning is not None and fmt.name != "simple", tools=options.tools)
+        try:
+            prompt = fmt.render(turns[:i], turn_options)
+        except RequestError as exc:
+            raise OpenflashError(f"{where}: messages.{i}: {exc}") from None
+        reply = fmt.reply_text(turn, turn_options)
+        out.append((tokenizer.encode(prompt, add_special_tokens=False).ids,
+                    tokenizer.encode(reply, add_special_tokens=False).ids))
+    return out
+
+
+def prepare_chats(sources: Sequence[str | Path], tokenizer_spec: str | Path, out_dir: str | Path,
+                  val_fraction: float = 0.01, seed: int = 0, template: str = "auto",
+                  shard_tokens: int = 1 << 24) -> Manifest:
+    """Render and tokenize the JSONL conversations of `sources` into `out_dir` (written aside, then renamed: an
+    interrupted run leaves nothing)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise OpenflashError(f"val_fraction={val_fraction} must be in [0, 1)")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise OpenflashError(f"{out_dir} already exists; chat data is written to a new folder")
+    tok_path = resolve_tokenizer_path(tokenizer_spec)
+    tokenizer = load_tokenizer(tok_path)
+    check_eos(tokenizer, tok_path)
+    fmt = chat_format(tokenizer, EOS_ID - 1, EOS_ID, template)  # the DeepSeek convention: bos 0, eos 1
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:
+        fresh = {"shard_index": 0, "shard_fill": 0, "num_docs": 0}
+        tokens = {s: SplitWriter(work, s, dtype, shard_tokens, dict(fresh)) for s in SPLITS}
+        masks = {s: SplitWriter(work, f"{s}_mask", np.dtype("u1"), shard_tokens, dict(fresh)) for s in SPLITS}
+        conversations = 0
+        for source in sources:
+            for where, raw in jsonl_records(source):
+                turns, options = parse_conversation(raw, where)
+                split = "val" if is_validation(f"{Path(where).name}", seed, val_fraction) else "train"
+                for prompt, reply in chat_examples(turns, options, fmt, tokenizer, where):
+                    tokens[split].add(np.array(prompt + reply, dtype=dtype))
+                    masks[split].add(np.array([0] * len(prompt) + [1] * len(reply), dtype="u1"))
+                conversations += 1
+        infos: dict[str, SplitInfo] = {}
+        for split in SPLITS:
+            infos[split] = tokens[split].finish()
+            masks[split].finish()
+            (work / f"{split}_mask_docs.bin").unlink()  # the token shards' offsets are the ones kept
+        if infos["train"].num_tokens == 0:
+            raise OpenflashError(f"no training example in {', '.join(map(str, sources))} (all held out, or empty)")
+        shutil.copy(tok_path, work / TOKENIZER_FILE)
+        manifest = Manifest(FORMAT_VERSION, tokenizer_sha256(tokenizer), TOKENIZER_FILE, vocab, EOS_ID, dtype.name,
+                            shard_tokens,
+                            [str(Path(s).resolve()) for s in sources], ["chat jsonl"], float(val_fraction), int(seed),
+                            "", conversations, {"utf-8": conversations}, {"count": 0, "by_reason": {}, "files": []},
+                            infos, loss_mask=True, chat_template=fmt.name)
+        write_json_atomic(work / MANIFEST_FILE, manifest.to_dict())
+        work.rename(out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # gone already once renamed
+    print(f"{out_dir}: {conversations} conversations, {infos['train'].num_docs} training examples "
+          f"({infos['train'].num_tokens:,} tokens), {infos['val'].num_docs} held out; chat template {fmt.name}; "
+          f"loss on the replies only")
+    return Manifest.load(out_dir)
+
+
+__all__ = ["parse_conversation", "chat_examples", "prepare_chats"]
