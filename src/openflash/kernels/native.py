@@ -155,10 +155,10 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of x [..., K] with this stored weight runs natively: kernels here, a CPU tensor, at most
-    MAX_ROWS rows, whole 32-blocks of K."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
-            and x.shape[-1] % BLOCK == 0 and status().available)
+    """Whether a product of x [..., K] with this stored weight runs natively: kernels here, CPU tensors, a
+    contiguous weight, at most MAX_ROWS rows, whole 32-blocks of K."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.is_contiguous()
+            and x.numel() // x.shape[-1] <= MAX_ROWS and x.shape[-1] % BLOCK == 0 and status().available)
 
 
 __all__ = ["Status", "status", "build", "library_path", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "MAX_ROWS"]
