@@ -98,6 +98,8 @@ class Linear(nn.Module, NumericsMixin):
             raise ValueError(f"unknown weight storage {storage!r} (float, fp8, fp4)")
         self._dequant: torch.Tensor | None = None
         self._dequant_key: tuple | None = None
+        # A trainable low-rank update added to the output (model/lora.py); None: the weight alone.
+        self.adapter: nn.Module | None = None
 
     @property
     def quantized(self) -> bool:
@@ -149,7 +151,8 @@ class Linear(nn.Module, NumericsMixin):
         return 0 if self._dequant is None else self._dequant.numel() * self._dequant.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_kernels(self.numerics).linear(self, x)
+        y = layer_kernels(self.numerics).linear(self, x)
+        return y if self.adapter is None else y + self.adapter(x)
 
     def _block_scaled_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The reference GEMM's summation order (quant_and_cache.md §3): per K block of 32, an exact fp32 partial
@@ -184,7 +187,12 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if not layer.fp32_resident and layer.native_format and not x.requires_grad and native.serves(x, layer.weight):
+        if not layer.fp32_resident and x.requires_grad:  # gradients through a frozen stored weight (LoRA)
+            if layer.quantized and layer.numerics.act_quant:
+                x = formats.ste(x, self.act_quant)  # the QDQ's value, an identity gradient
+            y = _StoredProduct.apply(x, layer)
+            return y if layer.exact_fp32 else layer.numerics.round(y)
+        if not layer.fp32_resident and layer.native_format and native.serves(x, layer.weight):
             y = _native_linear(layer, x)
             return y if layer.exact_fp32 else layer.numerics.round(y)
         if layer.quantized and layer.numerics.act_quant:
@@ -209,10 +217,12 @@ class CompiledLayerKernels(LayerKernels):
         return rowwise(formats.act_quant_qdq, x)
 
 
-def _native_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """x W^T from the stored bytes by the native kernels (kernels/native.py), the activation QDQ in the call."""
+def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool | None = None) -> torch.Tensor:
+    """x W^T from the stored bytes by the native kernels (kernels/native.py), the activation QDQ in the call
+    (act_qdq: whether; default the policy's for this weight)."""
     x2 = x.reshape(-1, layer.in_features).float()
-    act_qdq = layer.quantized and layer.numerics.act_quant
+    if act_qdq is None:
+        act_qdq = layer.quantized and layer.numerics.act_quant
     if layer.storage == "fp8":
         y = native.fp8_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
     elif layer.storage == "fp4":
@@ -220,6 +230,29 @@ def _native_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     else:  # a bf16 matrix kept as stored
         y = native.bf16_gemv(x2, layer.weight)
     return y.view(*x.shape[:-1], layer.out_features)
+
+
+class _StoredProduct(torch.autograd.Function):
+    """x W^T with W frozen as stored: the forward as inference computes it (kernels, else tiles), the backward
+    dx = g W one dequantized tile at a time, so training through it never holds an fp32 copy of W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        ctx.layer = layer
+        if layer.native_format and native.serves(x, layer.weight):
+            return _native_linear(layer, x, act_qdq=False)
+        return _tiled_linear(layer, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        layer = ctx.layer
+        g2 = g.reshape(-1, layer.out_features).float()
+        dx = g2.new_zeros(g2.shape[0], layer.in_features)
+        step = layer.tile_rows()
+        for start in range(0, layer.out_features, step):
+            stop = min(start + step, layer.out_features)
+            dx += g2[:, start:stop] @ layer.dequantized_rows(start, stop)
+        return dx.view(*g.shape[:-1], layer.in_features), None
 
 
 def _tiled_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
