@@ -187,21 +187,16 @@ class LayerKernels:
         return norm.numerics.round(y)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if not layer.fp32_resident and x.requires_grad:  # gradients through a frozen stored weight (LoRA)
-            if layer.quantized and layer.numerics.act_quant:
-                x = formats.ste(x, self.act_quant)  # the QDQ's value, an identity gradient
-            y = _StoredProduct.apply(x, layer)
-            return y if layer.exact_fp32 else layer.numerics.round(y)
-        if not layer.fp32_resident and layer.native_format and native.serves(x, layer.weight):
-            y = _native_linear(layer, x)
-            return y if layer.exact_fp32 else layer.numerics.round(y)
-        if layer.quantized and layer.numerics.act_quant:
-            x = self.act_quant(x)
+        qdq = layer.quantized and layer.numerics.act_quant
         if layer.fp32_resident:
             w = layer.dequantized_weight()
-            y = graph_linear(x.to(w.dtype), w)
+            y = graph_linear((self.act_quant(x) if qdq else x).to(w.dtype), w)
+        elif x.requires_grad:  # gradients through a frozen stored weight (LoRA): the QDQ straight-through
+            y = _StoredProduct.apply(formats.ste(x, self.act_quant) if qdq else x, layer)
+        elif layer.native_format and native.serves(x, layer.weight):
+            y = _native_linear(layer, x, qdq)  # the QDQ inside the call
         else:
-            y = _tiled_linear(layer, x)
+            y = _tiled_linear(layer, self.act_quant(x) if qdq else x)
         return y if layer.exact_fp32 else layer.numerics.round(y)
 
     def act_quant(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,12 +212,10 @@ class CompiledLayerKernels(LayerKernels):
         return rowwise(formats.act_quant_qdq, x)
 
 
-def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool | None = None) -> torch.Tensor:
+def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool) -> torch.Tensor:
     """x W^T from the stored bytes by the native kernels (kernels/native.py), the activation QDQ in the call
-    (act_qdq: whether; default the policy's for this weight)."""
+    (act_qdq: whether)."""
     x2 = x.reshape(-1, layer.in_features).float()
-    if act_qdq is None:
-        act_qdq = layer.quantized and layer.numerics.act_quant
     if layer.storage == "fp8":
         y = native.fp8_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
     elif layer.storage == "fp4":
@@ -240,7 +233,7 @@ class _StoredProduct(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         ctx.layer = layer
         if layer.native_format and native.serves(x, layer.weight):
-            return _native_linear(layer, x, act_qdq=False)
+            return _native_linear(layer, x, False)
         return _tiled_linear(layer, x)
 
     @staticmethod

@@ -157,7 +157,7 @@ class MoE(nn.Module, NumericsMixin):
         if self.training:
             self.expert_load += counts.to(self.expert_load.dtype)
         if path == "offloaded":
-            y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), self._combine(ctx), shared)
+            y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), ctx.experts.combine, shared)
         elif path == "sorted":
             y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared)
         elif path == "batched":
@@ -186,9 +186,6 @@ class MoE(nn.Module, NumericsMixin):
             raise ValueError(f"layer {self.layer}: this model was loaded without its routed experts; pass "
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
         return lambda ids: ctx.experts.experts(self.layer, ids)
-
-    def _combine(self, ctx: StepContext) -> Callable[[torch.Tensor], torch.Tensor]:
-        return ctx.experts.combine
 
     def _stack(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fp32 w1, w3, w2 of experts `ids`, stacked [U, out, in]."""

@@ -50,16 +50,9 @@ def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp3
 
 
 def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Mapping[int, ExpertFn],
-            shared: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-    """shared + the contributions of `experts` (those that received tokens, in their order), accumulated in y
-    (zeros if None) first: the same summation order however the experts are fetched."""
-    if y is None:
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, expert in experts.items():
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
-        y[token] += expert(x[token], weights[token, slot]).float()
-    return y + shared
+            shared: torch.Tensor) -> torch.Tensor:
+    """shared + the contributions of `experts` (those that received tokens, in their order)."""
+    return _add_experts(x, weights, ids, experts, torch.zeros(x.shape, dtype=torch.float32, device=x.device)) + shared
 
 
 def offloaded(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
@@ -70,10 +63,19 @@ def offloaded(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts:
     active = counts.nonzero().flatten().tolist()
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for start in range(0, len(active), OFFLOAD_CHUNK):
-        for e, expert in fetch(active[start:start + OFFLOAD_CHUNK]).items():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y[token] += expert(x[token], weights[token, slot]).float()
+        _add_experts(x, weights, ids, fetch(active[start:start + OFFLOAD_CHUNK]), y)
     return combine(y) + shared
+
+
+def _add_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Mapping[int, ExpertFn],
+                 y: torch.Tensor) -> torch.Tensor:
+    """y += each expert's weighted output on its tokens, one call per expert, in `experts`' order (the same
+    summation order however the experts are fetched)."""
+    for e, expert in experts.items():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        # (each token appears once per expert; index_add_ is pathologically slow on CPU for few rows)
+        y[token] += expert(x[token], weights[token, slot]).float()
+    return y
 
 
 def batched(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,

@@ -21,65 +21,45 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from openflash.chat import chat_format
-from openflash.chat.conversation import ChatOptions, ToolCall, Turn, check_arguments, check_tool
+from openflash.chat.conversation import ChatOptions, ImagePart, Turn, check_tool
 from openflash.errors import OpenflashError, RequestError
 from openflash.files.atomic import write_json_atomic
 from openflash.files.jsonl import jsonl_records
+from openflash.serve.chat import conversation
+from openflash.serve.protocol import ChatMessage
 from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
 from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo,
                                      token_dtype)
 from openflash.train.prepare import SplitWriter, check_eos, is_validation
 from openflash.train.tokenizer import EOS_ID
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def parse_conversation(raw: Any, where: str) -> tuple[list[Turn], ChatOptions]:
-    """A JSONL record as turns and options (tools); OpenflashError naming `where` and the field."""
+    """A JSONL record as turns and options (tools), read as the server reads a request's messages
+    (serve/protocol.py ChatMessage, serve/chat.py conversation); OpenflashError naming `where` and the field."""
     try:
         if not isinstance(raw, dict) or not isinstance(raw.get("messages"), list) or not raw["messages"]:
             raise RequestError("expected an object with a non-empty 'messages' list", param="messages")
         tools = tuple(check_tool(t, f"tools.{i}") for i, t in enumerate(raw.get("tools") or ()))
-        turns = [_turn(m, f"messages.{i}") for i, m in enumerate(raw["messages"])]
+        messages = []
+        for i, m in enumerate(raw["messages"]):
+            try:
+                messages.append(ChatMessage.model_validate(m))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join(str(k) for k in (f"messages.{i}", *first["loc"]))
+                raise RequestError(f"{field}: {first['msg']}", param=field) from None
+        turns = conversation(messages)
     except RequestError as exc:
         raise OpenflashError(f"{where}: {exc}") from None
+    if any(isinstance(p, ImagePart) for t in turns for p in t.parts):
+        raise OpenflashError(f"{where}: chat data takes text only (an image part was given)")
     if not any(t.role == "assistant" for t in turns):
         raise OpenflashError(f"{where}: messages: no assistant turn to train on")
     return turns, ChatOptions(tools=tools)
-
-
-def _turn(m: Any, where: str) -> Turn:
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise RequestError(f"{where}.role: expected one of {list(ROLES)}", param=f"{where}.role")
-    role = "system" if m["role"] == "developer" else m["role"]
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise RequestError(f"{where}.content: chat data takes text parts only", param=f"{where}.content")
-        parts = tuple(p["text"] for p in content)
-    elif isinstance(content, str) or content is None:
-        parts = (content,) if content else ()
-    else:
-        raise RequestError(f"{where}.content: expected a string or a list of text parts", param=f"{where}.content")
-    calls = []
-    for j, call in enumerate(m.get("tool_calls") or ()):
-        function = call.get("function") if isinstance(call, dict) else None
-        if role != "assistant" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(f"{where}.tool_calls.{j}: an assistant turn's call needs function.name",
-                               param=f"{where}.tool_calls.{j}")
-        arguments = check_arguments(function.get("arguments", "{}"), f"{where}.tool_calls.{j}.function.arguments")
-        calls.append(ToolCall(call.get("id") or f"call_{j}", function["name"], arguments))
-    reasoning = m.get("reasoning_content")
-    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
-        raise RequestError(f"{where}.reasoning_content: text, on assistant turns only", param=f"{where}.reasoning_content")
-    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-        raise RequestError(f"{where}.tool_call_id: a tool message must say which call it answers",
-                           param=f"{where}.tool_call_id")
-    return Turn(role, parts, reasoning, tuple(calls), m.get("tool_call_id"))
 
 
 def chat_examples(turns: list[Turn], options: ChatOptions, fmt: Any, tokenizer: Tokenizer,
