@@ -104,6 +104,9 @@ def test_bad_lines_are_refused_naming_file_line_and_field(tmp_path):
         with pytest.raises(OpenflashError, match=match):
             prepare_chats([path], "deepseek", tmp_path / f"out{k}")
         assert not (tmp_path / f"out{k}").exists()  # nothing half-written
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OpenflashError, match="taken already exists; chat data is written to a new folder"):
+        prepare_chats([_write(tmp_path / "ok.jsonl", [good])], "deepseek", tmp_path / "taken")
 
 
 def test_fine_tuning_on_chats_lowers_the_reply_loss(tmp_path):

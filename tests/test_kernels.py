@@ -150,3 +150,16 @@ def test_parity_with_stored_weights_runs_through_them(golden, monkeypatch):
         monkeypatch.setattr(native, name, lambda *a, product=product: calls.append(1) or product(*a))
     results = run_golden(Path(__file__).parent / "goldens" / golden, "fp32", teacher_forced=True, weights="stored")
     assert calls and all(r.passed for r in results), [r.key for r in results if not r.passed][:5]
+
+
+def test_bad_arguments_are_named_before_the_c_code_sees_them():
+    g = torch.Generator().manual_seed(5)
+    q, s = _fp8_weight(64, 64, g, scales=[127])
+    with pytest.raises(ValueError, match=r"of_fp8_gemv: x must be fp32 \[1..16 rows, K\], got torch.float32 \(17, 64\)"):
+        native.fp8_gemv(torch.randn(17, 64), q, s, False)
+    with pytest.raises(ValueError, match=r"weight torch.uint8 \(64, 64\) does not hold K = 96"):
+        native.fp8_gemv(torch.randn(2, 96), q, s, False)
+    with pytest.raises(ValueError, match=r"scale \(2, 1\) is not the \[2, 2\] UE8M0 bytes"):
+        native.fp8_gemv(torch.randn(2, 64), q, s[:, :1].contiguous(), False)
+    with pytest.raises(ValueError, match="of_bf16_gemv: weight torch.float32"):
+        native.bf16_gemv(torch.randn(2, 64), torch.randn(8, 64))

@@ -69,3 +69,11 @@ def test_fresh_adapters_leave_the_logits_bit_identical_and_train_alone():
     grads = {n: p.grad for n, p in model.named_parameters() if n.endswith("lora_B")}
     assert all(g is not None for n, g in grads.items() if ".attn." in n)  # every attention adapter learns
     assert any(g is not None for n, g in grads.items() if ".experts." in n)  # the routed experts' (those picked)
+
+
+def test_bad_adapter_arguments_are_named():
+    with pytest.raises(ValueError, match="LoRA rank must be >= 1, got 0"):
+        LoRA(8, 8, rank=0, alpha=1.0)
+    model, _ = load_checkpoint(GOLDEN_A2, weights="stored")
+    with pytest.raises(ValueError, match=r"no linear matches the LoRA targets \['nothing'\]"):
+        add_lora(model, rank=2, targets=("nothing",))

@@ -107,7 +107,29 @@ def _run(name: str, x: torch.Tensor, *args) -> None:
 
 # ---- the custom ops ----------------------------------------------------------------------------------------------
 
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, codes_per_byte: int,
+           scale_rows: int) -> None:
+    """The C code trusts its pointers: shapes and dtypes are checked here, each problem named."""
+    problems = []
+    if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
+        problems.append(f"x must be fp32 [1..{MAX_ROWS} rows, K], got {x.dtype} {tuple(x.shape)}")
+    elif weight.dim() != 2 or weight.shape[1] * codes_per_byte != x.shape[1] or not weight.is_contiguous() or \
+            (weight.dtype != torch.bfloat16 if scale is None else weight.element_size() != 1):
+        problems.append(f"weight {weight.dtype} {tuple(weight.shape)} does not hold K = {x.shape[1]} inputs per row "
+                        f"contiguously")
+    elif scale is not None and (tuple(scale.shape) != (scale_rows, x.shape[1] // BLOCK) or scale.element_size() != 1
+                                or not scale.is_contiguous()):
+        problems.append(f"scale {tuple(scale.shape)} is not the [{scale_rows}, {x.shape[1] // BLOCK}] UE8M0 bytes of "
+                        f"weight {tuple(weight.shape)}")
+    if x.dim() == 2 and x.shape[1] % BLOCK and scale is not None:
+        problems.append(f"K = {x.shape[1]} is not a multiple of {BLOCK}")
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems))
+
+
 def _quantized(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    n = weight.shape[0] if weight.dim() == 2 else 0
+    _check(name, x, weight, scale, 2 if name == "of_fp4_gemv" else 1, n if name == "of_fp4_gemv" else -(-n // BLOCK))
     x = x.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
     _run(name, x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
@@ -140,6 +162,7 @@ fp4_gemv.register_fake(_)
 @torch.library.custom_op("openflash::bf16_gemv", mutates_args=())
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [R, K] fp32 (R <= 16) times a bf16 weight [N, K]. Returns [R, N] fp32."""
+    _check("of_bf16_gemv", x, weight, None, 1, 0)
     x = x.contiguous()
     R, K = x.shape
     N = weight.shape[0]
