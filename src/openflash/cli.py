@@ -217,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model to start from: with --data, fine-tune a checkpoint or run folder (its weights as "
                             "fp32 master weights; the data prepared with its tokenizer); with --dspark or --vision-data, "
                             "the model to draft for or to tune (a preset too for --vision-data)")
+    train.add_argument("--lora", type=int, default=None, metavar="RANK",
+                       help="with --init: train LoRA adapters of this rank, the model frozen as stored (FP8, FP4, bf16; "
+                            "no fp32 copy); checkpoints hold the adapters in the PEFT layout")
+    train.add_argument("--lora-alpha", type=float, default=None, help="with --lora: the adapters' alpha (default 2 x rank)")
+    train.add_argument("--lora-targets", nargs="+", default=None, metavar="REGEX",
+                       help="with --lora: module names to adapt, as regular expressions (default: the attention "
+                            "projections wq_a, wq_b, wkv, wo_b and the experts of every layer)")
     train.add_argument("--vision-data", default=None, metavar="PAIRS.jsonl",
                        help="fine-tune the --init model (with a vision tower) on image+text pairs: one JSON object a "
                             "line, {\"image\": \"a.png\", \"prompt\": \"...\", \"text\": \"...\"} (paths relative to "

@@ -98,6 +98,8 @@ def train(args: argparse.Namespace) -> int:
     trained model."""
     if args.dspark and args.vision_data:
         raise OpenflashError("--dspark and --vision-data are separate runs; give one")
+    if args.lora is not None and (args.dspark or args.vision_data):
+        raise OpenflashError("--lora trains adapters on text or chats (openflash train --data ... --init MODEL)")
     if args.compile and (args.dspark or args.vision_data):
         raise OpenflashError("--compile compiles the main model's training (openflash train --data ...); "
                              "--dspark and --vision-data run eagerly")
@@ -116,6 +118,9 @@ def train(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
     if ctx.is_main and result.stopped_by == "interrupt":
         print(f"resume with: openflash train --data {cfg.data} --out {cfg.out} --resume")
+    elif ctx.is_main and cfg.lora is not None and result.checkpoint is not None:
+        print(f"adapter: {result.checkpoint} (PEFT layout); serve it with: openflash serve {cfg.init} "
+              f"--lora NAME={cfg.out}")
     return 0
 
 

@@ -87,7 +87,8 @@ class DecodeGraph:
         self._step: Callable[..., torch.Tensor] = torch.compile(
             types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None, backend=BACKEND,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self._linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized]
+        self._every_linear = [m for m in model.modules() if isinstance(m, Linear)]
+        self._linears = [m for m in self._every_linear if m.quantized]
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
         self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
         self._noted: set[str] = set()
@@ -107,6 +108,8 @@ class DecodeGraph:
             reason = "a pending bounded-replay prefill"
         elif not all(m.fp32_resident for m in self._linears):
             reason = '"stored" weight residency'
+        elif any(m.adapter is not None for m in self._every_linear):
+            reason = "LoRA adapters"
         if reason is not None and reason not in self._noted:
             self._noted.add(reason)
             log.info("decode steps with %s run on the per-kernel compiled path, not as one graph", reason)

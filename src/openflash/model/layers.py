@@ -188,15 +188,18 @@ class LayerKernels:
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         qdq = layer.quantized and layer.numerics.act_quant
-        if layer.fp32_resident:
-            w = layer.dequantized_weight()
-            y = graph_linear((self.act_quant(x) if qdq else x).to(w.dtype), w)
-        elif x.requires_grad:  # gradients through a frozen stored weight (LoRA): the QDQ straight-through
-            y = _StoredProduct.apply(formats.ste(x, self.act_quant) if qdq else x, layer)
-        elif layer.native_format and native.serves(x, layer.weight):
+        if not (layer.fp32_resident or x.requires_grad) and layer.native_format and native.serves(x, layer.weight):
             y = _native_linear(layer, x, qdq)  # the QDQ inside the call
         else:
-            y = _tiled_linear(layer, self.act_quant(x) if qdq else x)
+            if qdq:  # with a gradient to pass on (fine-tuning a quantized base), straight-through
+                x = formats.ste(x, self.act_quant) if x.requires_grad else self.act_quant(x)
+            if layer.fp32_resident:
+                w = layer.dequantized_weight()
+                y = graph_linear(x.to(w.dtype), w)
+            elif x.requires_grad:  # through a frozen stored weight (LoRA): never an fp32 copy of it
+                y = _StoredProduct.apply(x, layer)
+            else:
+                y = _tiled_linear(layer, x)
         return y if layer.exact_fp32 else layer.numerics.round(y)
 
     def act_quant(self, x: torch.Tensor) -> torch.Tensor:

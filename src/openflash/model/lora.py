@@ -1,26 +1,34 @@
 """LoRA adapters on the model's linears: y = W x + (alpha / r) B A x, W frozen as stored (FP8, FP4, bf16).
 
-The adapter's A [r, in] starts Kaiming-uniform and B [out, r] at zero, so a model with fresh adapters computes
-exactly what it did without them. Gradients reach A and B, and flow on through the frozen base one dequantized tile
-at a time (`model/layers.py` `_StoredProduct`), through its activation QDQ straight-through; the base never gets an
-fp32 copy. The default targets follow the public V4.1 recipe: the attention projections (`wq_a`, `wq_b`, `wkv`,
-`wo_b`) and the routed and shared experts; the indexer stays frozen (its top-k has no language-model gradient).
+Training (`train --lora`): one `LoRA` per adapted linear. Its A [r, in] starts Kaiming-uniform and B [out, r] at
+zero, so a model with fresh adapters computes exactly what it did without them. Gradients reach A and B, and flow
+on through the frozen base one dequantized tile at a time (`model/layers.py` `_StoredProduct`), through its
+activation QDQ straight-through; the base never gets an fp32 copy. The default targets follow the public V4.1
+recipe: the attention projections (`wq_a`, `wq_b`, `wkv`, `wo_b`) and the routed and shared experts of the main
+layers; the indexer stays frozen (its top-k has no language-model gradient).
 
-Groundwork for `train --lora` (not wired into the trainer yet): `add_lora(model, rank)` attaches adapters and
-freezes everything else.
+Serving (`serve --lora NAME=PATH ...`): one `LoRABank` per adapted linear holds every served adapter, and the
+model's `AdapterSelection` says which adapter each token of the running step uses (-1: none), set by the runtime
+from its rows' requests; a batch mixes adapters, each row getting its own low-rank product. The MoE routes the
+tokens of each adapter separately (`AdapterSelection.groups`), so an expert's linears see one adapter per call.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from openflash.model.layers import Linear
 
-DEFAULT_TARGETS = (r"\.attn\.(wq_a|wq_b|wkv|wo_b)$", r"\.ffn\.(experts\.\d+|shared_experts)\.w[123]$")
+DEFAULT_TARGETS = (r"^layers\.\d+\.attn\.(wq_a|wq_b|wkv|wo_b)$",
+                   r"^layers\.\d+\.ffn\.(experts\.\d+|shared_experts)\.w[123]$")
+BASE = -1  # the adapter slot of a token that uses none
 
 
 class LoRA(nn.Module):
@@ -41,8 +49,8 @@ class LoRA(nn.Module):
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None,
              targets: tuple[str, ...] = DEFAULT_TARGETS) -> list[str]:
-    """Attach an adapter to every Linear whose name matches one of `targets` (regular expressions) and freeze every
-    other parameter; returns the adapted names. alpha defaults to 2 * rank."""
+    """Attach a fresh adapter to every Linear whose name matches one of `targets` (regular expressions) and freeze
+    every other parameter; returns the adapted names. alpha defaults to 2 * rank."""
     patterns = [re.compile(t) for t in targets]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -57,4 +65,97 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None,
     return adapted
 
 
-__all__ = ["LoRA", "add_lora", "DEFAULT_TARGETS"]
+def adapter_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module name -> (A [r, in], B [out, r]) of every trained adapter, detached."""
+    return {name: (m.adapter.lora_A.detach(), m.adapter.lora_B.detach()) for name, m in model.named_modules()
+            if isinstance(m, Linear) and isinstance(m.adapter, LoRA)}
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The adapter's update of the weight, [out, in] in fp32: scaling * B A."""
+    return (b.float() @ a.float()) * scaling
+
+
+# ---- serving: several adapters, chosen per token -----------------------------------------------------------------
+
+@dataclass
+class Adapter:
+    """One adapter's weights: module name -> (A [r, in], B [out, r]), and its alpha / rank."""
+
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    scaling: float
+
+
+class AdapterSelection:
+    """The adapter slot of each token of the running step: an int for all of them, or a tensor [tokens] (flattened
+    batch order); None outside a step. The runtime sets it around a step (`use`); the MoE narrows it to the tokens
+    it passes on (`narrowed`), one adapter at a time (`groups`)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self._stack: list[torch.Tensor | int] = []
+
+    def slot(self, name: str | None) -> int:
+        return BASE if name is None else self.names.index(name)
+
+    @contextmanager
+    def use(self, slots: torch.Tensor | int) -> Iterator[None]:
+        if isinstance(slots, torch.Tensor) and slots.numel() and bool((slots == slots.flatten()[0]).all()):
+            slots = int(slots.flatten()[0])  # one adapter for the whole step: no per-row split
+        self._stack.append(slots)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def narrowed(self, index: torch.Tensor) -> AbstractContextManager[None]:
+        """The selection of the tokens `index` (a boolean mask or positions into the current tokens)."""
+        top = self._stack[-1] if self._stack else BASE
+        return self.use(top if isinstance(top, int) else top[index.flatten() if index.dtype == torch.bool
+                                                             else index])
+
+    def current(self, rows: int) -> torch.Tensor | int:
+        top = self._stack[-1] if self._stack else BASE
+        if not isinstance(top, int) and top.numel() != rows:
+            raise RuntimeError(f"the adapter selection covers {top.numel()} tokens but a linear got {rows} rows")
+        return top
+
+    def groups(self, rows: int) -> list[tuple[int, torch.Tensor]] | None:
+        """(slot, token positions) per adapter when the current tokens mix adapters, else None."""
+        top = self.current(rows)
+        if isinstance(top, int):
+            return None
+        return [(int(s), (top == s).nonzero().flatten()) for s in torch.unique(top).tolist()]
+
+
+class LoRABank(nn.Module):
+    """Every served adapter's update of one linear (slot i: `A[i]`, `B[i]`, `scaling[i]`; None where adapter i
+    does not adapt this linear), applied per token by the model's `AdapterSelection`."""
+
+    def __init__(self, selection: AdapterSelection, pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 scalings: list[float]) -> None:
+        super().__init__()
+        self.selection, self.pairs, self.scalings = selection, pairs, scalings
+
+    def _one(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
+        pair = self.pairs[slot] if slot != BASE else None
+        return None if pair is None else (x.float() @ pair[0].t() @ pair[1].t()) * self.scalings[slot]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        out_features = next(p[1].shape[0] for p in self.pairs if p is not None)
+        slots = self.selection.current(x2.shape[0])
+        if isinstance(slots, int):
+            y = self._one(x2, slots)
+            return (y if y is not None else x2.new_zeros(x2.shape[0], out_features, dtype=torch.float32)) \
+                .view(*x.shape[:-1], out_features)
+        y = x2.new_zeros(x2.shape[0], out_features, dtype=torch.float32)
+        for slot, rows in self.selection.groups(x2.shape[0]):
+            part = self._one(x2[rows], slot)
+            if part is not None:
+                y[rows] = part
+        return y.view(*x.shape[:-1], out_features)
+
+
+__all__ = ["LoRA", "LoRABank", "Adapter", "AdapterSelection", "BASE", "add_lora", "adapter_weights",
+           "lora_delta", "DEFAULT_TARGETS"]

@@ -8,6 +8,7 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import lru_cache
 from typing import Callable, Mapping
 
@@ -21,6 +22,7 @@ from openflash.model import routed
 from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
 from openflash.model.layers import Linear, NumericsMixin
+from openflash.model.lora import AdapterSelection
 from openflash.model.numerics import Numerics
 
 class Gate(nn.Module):
@@ -130,12 +132,15 @@ class MoE(nn.Module, NumericsMixin):
         self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stacked_key: tuple | None = None
         self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
+        # Served adapters (model/lora.py attach_adapters): which adapter each token uses; None without banks.
+        self.adapters: AdapterSelection | None = None
 
     def forward(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.lengths is not None:  # right-padded rows (a packed prefill): the padding is routed to no expert
             real = ctx.valid
             y = v.new_zeros(v.shape)
-            y[real] = self._tokens(v[real], ctx, None if image_mask is None else image_mask[real])
+            with nullcontext() if self.adapters is None else self.adapters.narrowed(real):
+                y[real] = self._tokens(v[real], ctx, None if image_mask is None else image_mask[real])
             return y
         return self._tokens(v, ctx, image_mask)
 
@@ -143,12 +148,21 @@ class MoE(nn.Module, NumericsMixin):
         """The MoE of tokens v [..., dim] (image_mask [...]: image-span positions, routed with bias_vl)."""
         shape = v.shape
         x = v.reshape(-1, shape[-1])
+        groups = None if self.adapters is None else self.adapters.groups(x.shape[0])
+        if groups is not None:  # tokens of several adapters: each adapter's tokens through the experts apart
+            y = torch.empty_like(x)
+            mask = None if image_mask is None else image_mask.reshape(-1)
+            for slot, rows in groups:
+                with self.adapters.use(slot):
+                    y[rows] = self._tokens(x[rows], ctx, None if mask is None else mask[rows])
+            return y.view(shape)
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         ctx.put(f"block{self.layer}.gate_indices", ids)
         ctx.put(f"block{self.layer}.gate_weights", weights)
         offloaded = self.offloaded
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
-                             fp32_experts=not offloaded and self.experts[0].w1.fp32_resident)
+                             fp32_experts=not offloaded and self.experts[0].w1.fp32_resident,
+                             adapted=any(e.w1.adapter is not None for e in self.experts))
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
@@ -239,7 +253,7 @@ class TrainMoeKernels(MoeKernels):
     of the GEMM on few tokens) with a fused SwiGLU backward."""
 
     def expert(self, expert: Expert, v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if expert.w1.quantized:
+        if expert.w1.quantized or expert.w1.adapter is not None:
             return expert.swiglu(v, weight)
         gate, up = F.linear(v, torch.cat((expert.w1.weight, expert.w3.weight))).chunk(2, dim=-1)
         return expert.w2(_SwiGLU.apply(gate, up, weight, expert.limit))

@@ -9,7 +9,7 @@ which of the reference's rounding points to reproduce:
 - `reference`: additionally rounds to bf16 wherever the reference's bf16 tensors do, so that integer outputs
   (top-k, routing) match the official code exactly; used by `openflash parity`.
 - `train`: fp32 with the cache QDQs applied through a straight-through estimator, so gradients flow, and the
-  fused training ops (`fused_train_ops`).
+  fused training ops (`fused_train_ops`); `finetune` (LoRA on a quantized base) keeps the activation QDQs too.
 
 The flags decide where QDQ and rounding happen; where the computation itself differs per policy, each mechanism
 holds one kernel set per policy, chosen once from these flags and cached (`hc_kernels` in mhc.py,
@@ -86,6 +86,11 @@ REFERENCE = Numerics("reference", bf16_boundaries=True, act_quant=True, cache_qd
                      stale_index_keys=True, batched_experts=False)
 TRAIN = Numerics("train", bf16_boundaries=False, act_quant=False, cache_qdq=True, straight_through=True,
                  fused_train_ops=True)
+
+# Fine-tuning on a quantized base kept as stored (`train --lora`): the model's own rounding points (FP8 activations
+# into FP8/FP4 weights, the cache QDQs) all straight-through, and the fused training ops.
+FINETUNE = Numerics("finetune", bf16_boundaries=False, act_quant=True, cache_qdq=True, straight_through=True,
+                    fused_train_ops=True)
 
 # No quantization at all: for consistency tests, where a QDQ rounding flip would hide a real difference.
 PLAIN = Numerics("plain", bf16_boundaries=False, act_quant=False, cache_qdq=False, straight_through=False)

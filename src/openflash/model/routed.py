@@ -34,10 +34,17 @@ ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [n, dim], 
 StackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp32_experts: bool) -> str:
+def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp32_experts: bool,
+           adapted: bool = False) -> str:
     """The path of one MoE call. static: a whole-step graph; offloaded: the experts come from an ExpertSource;
     pairs: the routed (token, slot) pairs; fp32_experts: the experts' fp32 weights are cached (stacking "stored"
-    experts would materialise them all at once)."""
+    experts would materialise them all at once); adapted: the experts carry LoRA adapters, which only the paths
+    that call each expert apply."""
+    if adapted:
+        if static or offloaded:
+            raise ValueError("LoRA adapters on routed experts need the experts in the model (not offloaded) and "
+                             "the eager step (not a whole-step graph)")
+        return "sorted" if numerics.fused_train_ops else "grouped"
     if static:
         return "gathered"
     if offloaded:

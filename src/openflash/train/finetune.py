@@ -1,9 +1,15 @@
-"""Fine-tuning from a checkpoint (`openflash train --init MODEL`): its weights become fp32 master weights.
+"""Fine-tuning from a checkpoint (`openflash train --init MODEL [--lora RANK]`).
 
-A checkpoint in the official layout holds FP8 dense weights, FP4 experts, FP8 Engram rows and bf16 tensors; full
-fine-tuning trains a model of the same architecture with every weight in fp32 ("float" storage), initialised with
-the checkpoint's values dequantized exactly (checkpoint.md §4). Its Engram addressing (the token map it carries, or
-its tokenizer's) comes along, and the data must have been prepared with a tokenizer of its vocabulary.
+Full fine-tuning (`init_model`): a checkpoint in the official layout holds FP8 dense weights, FP4 experts, FP8
+Engram rows and bf16 tensors; it trains a model of the same architecture with every weight in fp32 ("float"
+storage), initialised with the checkpoint's values dequantized exactly (checkpoint.md §4).
+
+LoRA (`lora_model`): the checkpoint stays as stored ("stored" residency: FP8, FP4, bf16 bytes, never an fp32 copy),
+frozen, under the `finetune` numerics (its activation and cache QDQs straight-through); fp32 adapters on the target
+linears are all that trains (model/lora.py).
+
+Either way its Engram addressing (the token map it carries, or its tokenizer's) comes along, and the data must have
+been prepared with a tokenizer of its vocabulary.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from openflash.errors import OpenflashError
 from openflash.memory.frontend import EngramFrontend
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
-from openflash.model.numerics import Numerics
+from openflash.model.lora import DEFAULT_TARGETS, Adapter, LoRA, add_lora
+from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
+from openflash.runtime import Runtime
 from openflash.tokenizer import tokenizer_sha256
 from openflash.train.dataset import TokenDataset
 
@@ -48,10 +56,7 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
     folder (None for a preset). data: the prepared training data, whose tokenizer must be the model's."""
     runtime = open_model(str(init), numerics="fp32", weights="dequantized")
     cfg: FlashConfig = runtime.cfg
-    if tokenizer_sha256(runtime.tokenizer) != data.tokenizer_sha256 or data.vocab_size > cfg.vocab_size:
-        raise OpenflashError(f"--init {init}: {data.data_dir} was prepared with another tokenizer ({data.vocab_size} "
-                             f"ids; the model has {cfg.vocab_size}): prepare it with the model's tokenizer "
-                             f"({runtime.tokenizer_source})")
+    _check_tokenizer(runtime, init, data)
     model = build_model(cfg.replace(weight_dtype="fp32", expert_dtype="fp32"), numerics)
     missing, unexpected = model.load_state_dict(fp32_state(runtime.model), strict=False)
     if missing or unexpected:
@@ -60,4 +65,43 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
     return model, runtime.frontend, runtime.folder
 
 
-__all__ = ["fp32_state", "init_model"]
+def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | None = None,
+               targets: tuple[str, ...] | None = None) -> tuple[Transformer, EngramFrontend | None, Path | None]:
+    """The checkpoint `init` kept as stored and frozen, with fresh fp32 LoRA adapters (`add_lora`) on `targets`
+    (default: model/lora.py DEFAULT_TARGETS), in training mode; its Engram frontend and folder, as `init_model`."""
+    runtime = open_model(str(init), numerics="fp32", weights="stored")
+    _check_tokenizer(runtime, init, data)
+    model = runtime.model.set_numerics(FINETUNE).train()
+    try:
+        add_lora(model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)
+    except ValueError as exc:
+        raise OpenflashError(f"--lora: {exc}") from None
+    return model, runtime.frontend, runtime.folder
+
+
+@torch.no_grad()
+def load_adapter_weights(model: Transformer, adapter: Adapter, source: str | Path) -> None:
+    """Copy a saved adapter (`read_adapter`) into the model's trained adapters (`add_lora`): the same modules and
+    shapes, or an OpenflashError naming `source`."""
+    own = {name: m.adapter for name, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.adapter, LoRA)}
+    if set(own) != set(adapter.weights):
+        odd = sorted(set(own) ^ set(adapter.weights))
+        raise OpenflashError(f"{source}: the adapter covers other modules than this run's --lora-targets "
+                             f"(differing: {odd[:3]})")
+    for name, (a, b) in adapter.weights.items():
+        lora = own[name]
+        if a.shape != lora.lora_A.shape or b.shape != lora.lora_B.shape:
+            raise OpenflashError(f"{source}: {name} has A {list(a.shape)}, B {list(b.shape)}; this run's adapter has "
+                                 f"A {list(lora.lora_A.shape)}, B {list(lora.lora_B.shape)}")
+        lora.lora_A.copy_(a)
+        lora.lora_B.copy_(b)
+
+
+def _check_tokenizer(runtime: Runtime, init: str | Path, data: TokenDataset) -> None:
+    if tokenizer_sha256(runtime.tokenizer) != data.tokenizer_sha256 or data.vocab_size > runtime.cfg.vocab_size:
+        raise OpenflashError(f"--init {init}: {data.data_dir} was prepared with another tokenizer ({data.vocab_size} "
+                             f"ids; the model has {runtime.cfg.vocab_size}): prepare it with the model's tokenizer "
+                             f"({runtime.tokenizer_source})")
+
+
+__all__ = ["fp32_state", "init_model", "lora_model", "load_adapter_weights"]

@@ -42,16 +42,18 @@ from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import verify_manifest, write_manifest
+from openflash.files.peft import read_adapter, write_adapter
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
 from openflash.model.compiled import check_toolchain
+from openflash.model.lora import adapter_weights
 from openflash.model.numerics import TRAIN
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads
-from openflash.train.finetune import init_model
+from openflash.train.finetune import init_model, load_adapter_weights, lora_model
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
@@ -62,7 +64,8 @@ from openflash.train.threads import ThreadTuner
 PLAN_AT_STEPS = (4, 12, 30, 60, 100)
 
 # Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
-RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup", "init")
+RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup", "init", "lora", "lora_alpha",
+                "lora_targets")
 
 log = logging.getLogger("openflash.train")
 
@@ -98,6 +101,9 @@ class TrainConfig:
     progress: bool = True
     compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
     init: str | None = None  # fine-tune: start from this checkpoint, run folder or preset (train/finetune.py)
+    lora: int | None = None  # LoRA rank: adapters on --init kept frozen as stored; checkpoints hold the adapters
+    lora_alpha: float | None = None  # default 2 * rank
+    lora_targets: list[str] | None = None  # regular expressions over module names (default model/lora.py's)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -115,6 +121,17 @@ class TrainConfig:
             raise OpenflashError(f"--max-minutes must be positive, got {self.max_minutes}")
         if self.steps_from_budget and self.max_minutes is None:
             raise OpenflashError("a time-budgeted run needs max_minutes")
+        if self.lora is not None:
+            if self.lora < 1:
+                raise OpenflashError(f"--lora (the adapter rank) must be >= 1, got {self.lora}")
+            if self.init is None:
+                raise OpenflashError("--lora trains adapters on a model: give it with --init MODEL")
+            if self.indexer_warmup:
+                raise OpenflashError("--lora keeps the indexer frozen; --indexer-warmup does not apply")
+            if self.compile:
+                raise OpenflashError("--lora trains through the stored weights eagerly; --compile does not apply")
+        elif self.lora_alpha is not None or self.lora_targets:
+            raise OpenflashError("--lora-alpha and --lora-targets need --lora RANK")
         if self.compile and self.adaptive_threads:
             # Inductor's CPU kernels fix their thread count when they are built: re-picking it would not reach them.
             raise OpenflashError("--compile builds its kernels for one thread count; it cannot run with adaptive "
@@ -178,7 +195,8 @@ class Trainer:
                     verify_manifest(self.resume_from)
                 except OpenflashError as exc:
                     raise OpenflashError(f"--resume: {exc} (--no-verify resumes anyway)") from None
-            self.model_cfg = load_config(self.resume_from)
+            if cfg.lora is None:  # (a LoRA run's model is its --init, read again below)
+                self.model_cfg = load_config(self.resume_from)
         elif cfg.init is None:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
@@ -190,7 +208,12 @@ class Trainer:
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
         self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
         frontend = None
-        if cfg.init is not None and self.resume_from is None:
+        if cfg.lora is not None:  # the base is read from --init on every start; checkpoints hold the adapters
+            self.model, frontend, init_folder = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha,
+                                                           cfg.lora_targets)
+            self.model_cfg = self.model.cfg
+            self.token_map_file = None  # the base's own frontend
+        elif cfg.init is not None and self.resume_from is None:
             self.model, frontend, init_folder = init_model(cfg.init, self.train_data, numerics)
             self.model_cfg = self.model.cfg
             self.token_map_file = find_token_map_file(init_folder) if init_folder is not None else None
@@ -338,7 +361,7 @@ class Trainer:
         self.optimizer.step()
 
         loads = ctx.all_reduce_sum_(expert_loads(model))
-        if not indexer_stage:
+        if not indexer_stage and cfg.lora is None:  # LoRA: the base, router bias included, stays frozen
             update_router_bias(model, loads, cfg.bias_update_rate)
         reset_expert_loads(model)
 
@@ -446,7 +469,12 @@ class Trainer:
         t0 = time.monotonic()
 
         def write(folder: Path) -> None:
-            save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
+            if self.cfg.lora is not None:
+                write_adapter(folder, adapter_weights(self.model), self.cfg.lora,
+                              float(self.cfg.lora_alpha or 2 * self.cfg.lora), self.cfg.init)
+                shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
+            else:
+                save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
             if self.token_map_file is not None:
                 shutil.copy(self.token_map_file, folder / self.token_map_file.name)
             torch.save(self.state_dict(), folder / STATE_FILE)
@@ -461,7 +489,10 @@ class Trainer:
 
     def _load(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
-        self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
+        if self.cfg.lora is not None:
+            load_adapter_weights(self.model, read_adapter(checkpoint), checkpoint)
+        else:
+            self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError, RuntimeError) as exc:
