@@ -157,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Engram tables above this size are written as SPARSE files of zero rows (no disk space, "
                             "read back as zeros; the released 94.4 GiB tables always are); smaller ones get random rows")
 
+    # lora --------------------------------------------------------------------------------------------------
+    lora = sub.add_parser("lora", help="LoRA adapters (trained with `openflash train --lora`)")
+    lora_sub = lora.add_subparsers(dest="lora_command", metavar="SUBCOMMAND")
+    lora_sub.required = True
+    merge = _add(lora_sub, "merge", "openflash.commands.model:lora_merge",
+                 "fold an adapter into its base: a full checkpoint in the base's layout (quantized back to FP8/FP4)")
+    merge.add_argument("base", help="the checkpoint the adapter was trained on")
+    merge.add_argument("adapter", help="PEFT adapter folder or `train --lora` run")
+    merge.add_argument("out", help="new folder to write")
+
     # data / tokenizer --------------------------------------------------------------------------------------
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -253,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = _add(sub, "generate", "openflash.commands.run:generate", "generate text from a model")
     gen.add_argument("--model", required=True, help="checkpoint folder or preset name")
+    gen.add_argument("--lora", default=None, metavar="PATH",
+                     help="generate with this LoRA adapter (a PEFT adapter folder or a `train --lora` run)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (with --image: each <image> in it takes the next image; "
                         "without one, the images come first)")
@@ -285,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _add(sub, "serve", "openflash.commands.run:serve", "run the OpenAI-compatible HTTP server")
     serve.add_argument("--model", required=True, help="checkpoint folder or preset name")
+    serve.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                       help="serve a LoRA adapter (a PEFT adapter folder or a `train --lora` run) as model NAME in "
+                            "/v1/models; repeat for several (requests with different adapters share a batch)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,16 +29,21 @@ from typing import Any, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from openflash.errors import CheckpointError, OpenflashError
+from openflash.errors import CheckpointError, OpenflashError, RequestError
+from openflash.files.manifest import file_sha256
+from openflash.files.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
+from openflash.files.peft import adapter_folder, read_adapter
 from openflash.files.manifest import verify_manifest
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.table_file import table_file_name, write_table_file
 from openflash.model.cache import ModelCache
+from openflash.model.adapters import attach_adapters
 from openflash.model.context import Probe
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.engram import EngramRows
+from openflash.model.lora import BASE, AdapterSelection
 from openflash.model.numerics import Numerics
 from openflash.model.transformer import ForwardOutput, TargetHidden, Transformer, check_lengths
 from openflash.model.vision import ImageRows
@@ -63,6 +69,8 @@ class Runtime:
     tokenizer_source: str = ""  # which tokenizer was loaded (a path, or why DeepSeek's), for error messages
     folder: Path | None = None  # the checkpoint folder it came from (None: a preset or a built model)
     graphs: dict[Numerics, DecodeGraph] = field(default_factory=dict, repr=False)  # one per numerics policy
+    adapters: AdapterSelection | None = None  # served LoRA adapters (load_adapters); a step's rows pick theirs
+    adapter_keys: list[int] = field(default_factory=list)  # per adapter: a digest of its weights (prefix-cache keys)
     _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # exported tables, disk tier
 
     @classmethod
@@ -104,28 +112,72 @@ class Runtime:
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
              images: ImageRows | None = None, lengths: torch.Tensor | None = None, probe: Probe | None = None,
-             all_logits: bool = False) -> torch.Tensor | None:
+             all_logits: bool = False, adapters: Sequence[int] | None = None) -> torch.Tensor | None:
         """A prefill chunk or decode step [B, S] after what `cache` holds (Transformer.step has the arguments):
         its Engram rows prepared, its experts supplied, a decode step run as one graph where the compiled backend
-        can."""
+        can. adapters: each row's LoRA adapter slot (`adapter_slot`; None: the base model for every row)."""
         ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
         rows = self._rows(ids, cache, images, lengths, probe)
         graph = self._graph() if ids.shape[1] == 1 and not all_logits and lengths is None else None
         if graph is not None and graph.why_not(cache, images, probe, False, self.experts) is None:
             return graph(ids, cache, rows)
-        return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images, probe=probe,
-                               all_logits=all_logits, experts=self.experts, lengths=lengths)
+        with self._selected(adapters):
+            return self.model.step(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
+                                   probe=probe, all_logits=all_logits, experts=self.experts, lengths=lengths)
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
                     last_chunk: bool = True, images: ImageRows | None = None, lengths: torch.Tensor | None = None,
-                    probe: Probe | None = None,
-                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+                    probe: Probe | None = None, all_logits: bool = False,
+                    adapters: Sequence[int] | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus the drafter's input (Transformer.step_hidden)."""
         ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
         rows = self._rows(ids, cache, images, lengths, probe)
-        return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
-                                      probe=probe, all_logits=all_logits, experts=self.experts, lengths=lengths)
+        with self._selected(adapters):
+            return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
+                                          probe=probe, all_logits=all_logits, experts=self.experts, lengths=lengths)
+
+    # ---- LoRA adapters --------------------------------------------------------------------------------------------
+    def load_adapters(self, named: dict[str, str | Path]) -> None:
+        """Serve the LoRA adapters `named` (name -> a PEFT adapter folder, or a `train --lora` run: its latest
+        checkpoint) beside the base model; a request picks one by name (`adapter_slot`). Once per runtime."""
+        if self.adapters is not None:
+            raise OpenflashError("this runtime serves adapters already; load them all in one call")
+        loaded = {}
+        for name, path in named.items():
+            folder = adapter_folder(path)
+            loaded[name] = read_adapter(folder)
+            self.adapter_keys.append(int(file_sha256(folder / ADAPTER_WEIGHTS)[:14], 16))
+        experts = [(n, m) for n, a in loaded.items() for m in a.weights if ".ffn.experts." in m]
+        if experts and self.experts is not None:
+            raise OpenflashError(f"--lora: adapter {experts[0][0]!r} adapts routed experts ({experts[0][1]}, ...), "
+                                 f"which this run reads from an expert store: serve it with the experts in the "
+                                 f"model (--expert-placement device)")
+        try:
+            self.adapters = attach_adapters(self.model, loaded)
+        except ValueError as exc:
+            raise OpenflashError(f"--lora: {exc} (an adapter trained on another model?)") from None
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [] if self.adapters is None else list(self.adapters.names)
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The slot of a served adapter (BASE for None); a RequestError naming the served ones for another."""
+        if name is None:
+            return BASE
+        if self.adapters is None or name not in self.adapters.names:
+            served = self.adapters.names if self.adapters is not None else []
+            raise RequestError(f"no LoRA adapter {name!r} is loaded (adapters: {served})", param="model")
+        return self.adapters.slot(name)
+
+    def _selected(self, adapters: Sequence[int] | None) -> AbstractContextManager[None]:
+        """The step's adapter selection: one slot per batch row."""
+        if self.adapters is None or adapters is None:
+            if adapters is not None and any(a != BASE for a in adapters):
+                raise ValueError("a row asks for a LoRA adapter but none is loaded")
+            return nullcontext()
+        return self.adapters.use(torch.tensor(list(adapters), dtype=torch.long, device=self.device))
 
     def _rows(self, ids: torch.Tensor, cache: ModelCache, images: ImageRows | None, lengths: torch.Tensor | None,
               probe: Probe | None) -> EngramRows | None:
@@ -137,9 +189,9 @@ class Runtime:
             probe.record("engram_hash", rows.hash_ids)
         return rows
 
-    def decode(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, cache: ModelCache, adapters: Sequence[int] | None = None) -> torch.Tensor:
         """One token per row (tokens [B] or [B, 1]) at each row's own position; logits [B, V]."""
-        return self.step(tokens.reshape(-1, 1), cache)
+        return self.step(tokens.reshape(-1, 1), cache, adapters=adapters)
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
         """Start fetching the Engram rows of each row's k likeliest next tokens (EngramMemory.speculate)."""
@@ -147,13 +199,15 @@ class Runtime:
 
     @torch.no_grad()
     def replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache, *, bounded: bool,
-               image_mask: torch.Tensor | None = None, images: ImageRows | None = None) -> None:
+               image_mask: torch.Tensor | None = None, images: ImageRows | None = None,
+               adapter: int = BASE) -> None:
         """Rebuild a restored prefix cache's bounded state from prompt_ids[start:stop] (Transformer.replay), the
         Engram hash history rebuilt from the tokens before. image_mask [len(prompt_ids)]: image-span positions;
         images: the rows of those among [start, stop)."""
         rows = self.memory.prepare_replay(prompt_ids, start, stop, cache, image_mask)
         ids = torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=self.device)
-        self.model.replay(ids, cache, start, bounded=bounded, engram=rows, images=images, experts=self.experts)
+        with self._selected([adapter]):
+            self.model.replay(ids, cache, start, bounded=bounded, engram=rows, images=images, experts=self.experts)
 
     def _graph(self) -> DecodeGraph | None:
         """The current numerics policy's whole-step decode graph, on the compiled backend."""

@@ -148,3 +148,11 @@ def synth(args: Any) -> int:
     print(f"{report.folder}: {report.tensors} tensors in {report.shards} shards, {format_bytes(report.logical_bytes)} "
           f"of tensors, {format_bytes(report.bytes_written)} written{sparse}")
     return 0
+
+
+def lora_merge(args: Any) -> int:
+    """`openflash lora merge BASE ADAPTER OUT`."""
+    from openflash.tools.lora_merge import merge_adapter
+
+    print(merge_adapter(args.base, args.adapter, args.out).summary())
+    return 0

@@ -44,6 +44,8 @@ def generate(args: Any) -> int:
                         expert_prefetch=args.expert_prefetch,
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
                         expert_group=group, compile=args.compile)
+    if args.lora is not None:
+        loaded.load_adapters({"adapter": args.lora})
     if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
         import contextlib
         import io
@@ -79,7 +81,8 @@ def _generate(loaded: Runtime, args: Any, engram: str) -> int:
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params, ids, images)
     loaded.place_engram(engram, cache_bytes=getattr(args, "engram_cache_bytes", 0) or DISK_ROW_CACHE_BYTES)
-    result = generate_text(loaded, ids, params, mode=args.prefill_mode, images=images)
+    result = generate_text(loaded, ids, params, mode=args.prefill_mode, images=images,
+                           adapter=None if args.lora is None else "adapter")
     print(f"# {loaded.note}")
     print(_shown_prompt(loaded, args) + result.text)
     if args.prompt_ids is not None:
@@ -118,6 +121,20 @@ def _generate_speculative(loaded: Runtime, args: Any, params: SamplingParams, id
           f"{m.spec_accepted}/{m.spec_drafted} drafts accepted; decode {(len(seq.output_ids) - 1) / decode:.1f} "
           f"tokens/s")
     return 0
+
+
+def lora_modules(given: list[str], base_name: str) -> dict[str, str]:
+    """`--lora NAME=PATH` arguments as name -> path (names distinct, none the base model's)."""
+    named: dict[str, str] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise OpenflashError(f"--lora {item!r}: expected NAME=PATH (the model name requests use, and the adapter "
+                                 f"folder or `train --lora` run)")
+        if name in named or name == base_name:
+            raise OpenflashError(f"--lora {item!r}: the name {name!r} is taken (by another adapter or the base model)")
+        named[name] = path
+    return named
 
 
 def serve(args: Any) -> int:
@@ -159,6 +176,10 @@ def serve(args: Any) -> int:
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
                         expert_prefetch=args.expert_prefetch, skip_engram_tables=tables_on_disk,
                         compile=args.compile, expert_group=group)
+    name = args.model if args.model in PRESETS else Path(args.model).resolve().name
+    if args.lora:
+        loaded.load_adapters(lora_modules(args.lora, name))
+        log.info("LoRA adapters: %s (a request's \"model\" picks one)", ", ".join(loaded.adapter_names))
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
@@ -181,7 +202,6 @@ def serve(args: Any) -> int:
         log.info("rank %d: rank 0 stopped the group", group.rank)
         loaded.close()
         return 0
-    name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     fmt = chat_format(tokenizer, model.cfg.bos_token_id, model.cfg.eos_token_id, args.chat_template)
     if args.thinking and fmt.name != "deepseek-v4.1":
         raise OpenflashError(f"--thinking needs the deepseek-v4.1 chat template; this model's is {fmt.name!r}")

@@ -98,11 +98,11 @@ def train(args: argparse.Namespace) -> int:
     trained model."""
     if args.dspark and args.vision_data:
         raise OpenflashError("--dspark and --vision-data are separate runs; give one")
-    if args.lora is not None and (args.dspark or args.vision_data):
-        raise OpenflashError("--lora trains adapters on text or chats (openflash train --data ... --init MODEL)")
     if args.compile and (args.dspark or args.vision_data):
         raise OpenflashError("--compile compiles the main model's training (openflash train --data ...); "
                              "--dspark and --vision-data run eagerly")
+    if args.lora is not None and (args.dspark or args.vision_data):
+        raise OpenflashError("--lora trains adapters on text or chats (openflash train --data ... --init MODEL)")
     if args.dspark:
         return train_dspark(args)
     if args.vision_data:

@@ -127,6 +127,11 @@ class EngineRuntime(ModelRuntime, Protocol):
     detokenizes outputs, why steps cannot run now, and counters for /metrics."""
 
     tokenizer: Tokenizer
+    adapter_keys: list[int]  # per served LoRA adapter slot: a digest of its weights
+    adapter_names: list[str]  # the served LoRA adapters, in slot order
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The slot of a served adapter (None: the base model); RequestError for a name not served."""
 
     def problem(self) -> str | None:
         """Why a step cannot run now (an Engram table that cannot serve rows), or None; from the server's thread."""
@@ -220,13 +225,14 @@ class LLMEngine:
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False,
-                    images: Sequence_[PromptImage] = ()) -> Sequence:
+                    images: Sequence_[PromptImage] = (), adapter: str | None = None) -> Sequence:
         """Queue a request; raises OpenflashError (PromptTooLongError, MaxTokensError, QueueFullError,
         EngineStoppedError) if it cannot be served. Outputs go to on_output (on the engine thread).
 
-        images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them); their
-        positions in `prompt` hold the image token id."""
+        images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them), at positions
+        holding the image token id. adapter: the served LoRA adapter to run with (None: the base model)."""
         params.validate(self.config.max_context - 1)
+        slot = self.runtime.adapter_slot(adapter)
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
         validate_prompt(ids, params, self.cfg.vocab_size, self.config.max_context)
         if images:
@@ -243,7 +249,8 @@ class LLMEngine:
             if not params.greedy and params.seed is None:  # every rank must draw the same tokens
                 params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         seq = self._sequence(RequestSpec(request_id or uuid.uuid4().hex, ids, params,
-                                         None if ignore_eos else self.cfg.eos_token_id, list(images)), on_output)
+                                         None if ignore_eos else self.cfg.eos_token_id, list(images), slot,
+                                         self.runtime.adapter_keys[slot] if slot >= 0 else 0), on_output)
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down and takes no new requests")
@@ -256,13 +263,19 @@ class LLMEngine:
     @staticmethod
     def _sequence(spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
         return Sequence(spec.request_id, spec.prompt_ids, spec.params, SamplerState.create(spec.params),
-                        eos_token_id=spec.eos_token_id, on_output=on_output, images=list(spec.images))
+                        eos_token_id=spec.eos_token_id, on_output=on_output, images=list(spec.images),
+                        adapter=spec.adapter, adapter_key=spec.adapter_key)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its state is freed at the start of the next step."""
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters requests may name (`add_request(adapter=...)`)."""
+        return self.runtime.adapter_names
 
     @property
     def accepting(self) -> bool:
@@ -442,14 +455,17 @@ class LLMEngine:
 
     # ---- offline use ------------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
-                 ignore_eos: bool = False, images: list[Sequence_[PromptImage]] | None = None) -> list[Sequence]:
+                 ignore_eos: bool = False, images: list[Sequence_[PromptImage]] | None = None,
+                 adapters: list[str | None] | None = None) -> list[Sequence]:
         """Run prompts to completion on the calling thread (no background loop); sequences in input order.
-        images: each prompt's image spans (see add_request)."""
+        images, adapters: each prompt's image spans and LoRA adapter (see add_request)."""
         if self._thread is not None:
             raise RuntimeError("generate() runs the engine itself; the background loop is running")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         spans = images if images is not None else [()] * len(prompts)
-        seqs = [self.add_request(p, sp, ignore_eos=ignore_eos, images=im) for p, sp, im in zip(prompts, plist, spans)]
+        named = adapters if adapters is not None else [None] * len(prompts)
+        seqs = [self.add_request(p, sp, ignore_eos=ignore_eos, images=im, adapter=a)
+                for p, sp, im, a in zip(prompts, plist, spans, named)]
         while self.has_work():
             self.step()
         return seqs

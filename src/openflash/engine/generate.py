@@ -36,13 +36,15 @@ class GenerationResult:
 
 @torch.no_grad()
 def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, *, mode: str = "bounded",
-             prefill_chunk: int = 512,
-             images: Sequence[ImageSource] | Sequence[PromptImage] = ()) -> GenerationResult:
+             prefill_chunk: int = 512, images: Sequence[ImageSource] | Sequence[PromptImage] = (),
+             adapter: str | None = None) -> GenerationResult:
     """Prefill the prompt in chunks, then decode until max_tokens, a stop token id or a stop string.
 
     images: with a text prompt, PIL images, paths or encoded bytes, placed at each `<image>` of the text (or before
-    it); with a token-id prompt, its PromptImage spans (vision/prompt.py)."""
+    it); with a token-id prompt, its PromptImage spans (vision/prompt.py). adapter: a LoRA adapter the runtime
+    serves (Runtime.load_adapters), or None for the base model."""
     params.validate()
+    slots = [runtime.adapter_slot(adapter)]
     model, tokenizer = runtime.model, runtime.tokenizer
     placed: list[PromptImage] = []
     if isinstance(prompt, str) and images:
@@ -71,7 +73,8 @@ def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, 
     for i in range(0, len(ids), prefill_chunk):
         chunk = torch.tensor([ids[i: i + prefill_chunk]], device=device)
         spans = encoded.window(i, i + chunk.shape[1], device)
-        logits = runtime.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids), images=spans)
+        logits = runtime.step(chunk, cache, mode=mode, last_chunk=i + prefill_chunk >= len(ids), images=spans,
+                              adapters=slots)
     prefill_s = time.perf_counter() - start
     out: list[int] = []
     finish, text = "length", ""
@@ -89,6 +92,6 @@ def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, 
             break
         if len(out) >= params.max_tokens:
             break
-        logits = runtime.decode(torch.tensor([token], device=device), cache)
+        logits = runtime.decode(torch.tensor([token], device=device), cache, adapters=slots)
     decode_s = time.perf_counter() - start
     return GenerationResult(text, out, len(ids), finish, prefill_s, decode_s)

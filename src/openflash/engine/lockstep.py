@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from openflash.engine.request import Sequence
 from openflash.engine.sampling import SamplingParams
+from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage
 
 KEEPALIVE_SECONDS = 60.0  # an idle leader's empty steps, well inside the process group's timeout (30 min default)
@@ -39,10 +40,13 @@ class RequestSpec:
     params: SamplingParams  # with its seed set when it samples
     eos_token_id: int | None
     images: list[PromptImage] = field(default_factory=list)
+    adapter: int = BASE  # LoRA adapter slot (none)
+    adapter_key: int = 0
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestSpec":
-        return cls(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images)
+        return cls(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images, seq.adapter,
+                   seq.adapter_key)
 
 
 @dataclass

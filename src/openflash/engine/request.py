@@ -18,6 +18,7 @@ import torch
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop
 from openflash.errors import OpenflashError, RequestError
 from openflash.model.cache import ModelCache
+from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage, key_ids
 
 
@@ -83,6 +84,8 @@ class Sequence:
     draft_hidden: torch.Tensor | None = None  # speculative decoding: main_hidden [1, 1, n*dim] of the last run token
     images: list[PromptImage] = field(default_factory=list)  # image spans of the prompt (their rows: the runner)
     key_ids: list[int] = field(default_factory=list)  # what the prefix cache hashes: prompt ids + image digests
+    adapter: int = BASE  # the LoRA adapter slot its rows run with (runtime.adapter_slot)
+    adapter_key: int = 0  # a digest of that adapter's weights, mixed into key_ids: its prefixes are its own
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # the error is a storage tier's (RequestOutput.unavailable)
@@ -97,6 +100,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.key_ids = key_ids(self.prompt_ids, self.images)
+        if self.adapter_key and self.key_ids:  # the first id salts every block key of the chain
+            self.key_ids[0] ^= self.adapter_key
 
     @property
     def prompt_len(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol
+from typing import Sequence as Sequence_
 
 import torch
 
@@ -31,6 +32,7 @@ from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
+from openflash.model.lora import BASE
 from openflash.model.transformer import TargetHidden, Transformer
 from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask
@@ -63,22 +65,25 @@ class ModelRuntime(Protocol):
     model: Transformer
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact", last_chunk: bool = True,
-             images: ImageRows | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Logits of a prefill chunk or decode step after `cache` (Transformer.step)."""
+             images: ImageRows | None = None, lengths: torch.Tensor | None = None,
+             adapters: Sequence_[int] | None = None) -> torch.Tensor | None:
+        """Logits of a prefill chunk or decode step after `cache` (Transformer.step); adapters: each row's LoRA
+        adapter slot."""
 
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
                     last_chunk: bool = True, images: ImageRows | None = None, lengths: torch.Tensor | None = None,
-                    all_logits: bool = False) -> tuple[torch.Tensor | None, TargetHidden | None]:
+                    all_logits: bool = False,
+                    adapters: Sequence_[int] | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus the drafter's input (Transformer.step_hidden)."""
 
-    def decode(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, cache: ModelCache, adapters: Sequence_[int] | None = None) -> torch.Tensor:
         """Logits [B, V] of one token per row."""
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
         """Start fetching the Engram rows of each row's k likeliest next tokens."""
 
     def replay(self, prompt_ids: list[int], start: int, stop: int, cache: ModelCache, *, bounded: bool,
-               image_mask: torch.Tensor | None = None, images: ImageRows | None = None) -> None:
+               image_mask: torch.Tensor | None = None, images: ImageRows | None = None, adapter: int = BASE) -> None:
         """Rebuild a restored prefix cache's bounded state from prompt_ids[start:stop]."""
 
 
@@ -185,6 +190,7 @@ class ModelRunner:
             encoded = self._encoded(s)
             windows.append(None if encoded is None else encoded.window(t.start, t.end, self.device))
         images = ImageRows.stack(windows, ids.shape[1], self.device)
+        adapters = [s.adapter for s in seqs]
         parts = [s.cache for s in seqs]
         batch = parts[0] if len(parts) == 1 else ModelCache.concat(parts)
         if len(parts) > 1:
@@ -196,10 +202,10 @@ class ModelRunner:
         try:
             if self.drafts:
                 logits, hidden = self.runtime.step_hidden(ids, batch, mode=self.prefill_mode, last_chunk=last,
-                                                          images=images, lengths=lengths)
+                                                          images=images, lengths=lengths, adapters=adapters)
             else:
                 logits, hidden = self.runtime.step(ids, batch, mode=self.prefill_mode, last_chunk=last,
-                                                   images=images, lengths=lengths), None
+                                                   images=images, lengths=lengths, adapters=adapters), None
             if hidden is not None:  # the drafter's rings take the positions the target layers ran on
                 self.model.draft_seed(hidden, batch)
         except Exception:
@@ -233,7 +239,7 @@ class ModelRunner:
         order and their logits [B, V]."""
         ordered = self._regroup(seqs)
         tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
-        logits = self.runtime.decode(tokens, self.batch)
+        logits = self.runtime.decode(tokens, self.batch, adapters=[s.adapter for s in ordered])
         if self.speculate_k > 0:
             self.runtime.speculate(logits, self.batch, self.speculate_k)
         return ordered, logits
@@ -255,7 +261,7 @@ class ModelRunner:
         else:  # no room for drafts: a plain step (the rings still take the last position)
             model.draft_seed(hidden, batch)
             ids = anchor.unsqueeze(1)
-        logits, verified = self.runtime.step_hidden(ids, batch, all_logits=True)
+        logits, verified = self.runtime.step_hidden(ids, batch, all_logits=True, adapters=[s.adapter for s in ordered])
         results = []
         for b, seq in enumerate(ordered):
             drafts = ids[b, 1:].tolist()
@@ -327,4 +333,4 @@ class ModelRunner:
         encoded = self._encoded(seq)
         images = None if encoded is None else encoded.window(start, num_tokens, self.device)
         self.runtime.replay(seq.prompt_ids, start, num_tokens, seq.cache, bounded=self.prefill_mode == "bounded",
-                            image_mask=mask, images=images)
+                            image_mask=mask, images=images, adapter=seq.adapter)

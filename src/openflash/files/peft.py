@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from openflash.errors import OpenflashError
 from openflash.files.atomic import write_json_atomic
 from openflash.files.manifest import write_manifest
+from openflash.files.run_dir import latest_checkpoint
 from openflash.model.lora import Adapter
 
 CONFIG_FILE = "adapter_config.json"
@@ -48,6 +49,20 @@ def write_adapter(folder: str | Path, weights: Mapping[str, tuple[torch.Tensor, 
         "target_modules": sorted(weights)})
     write_manifest(out)
     return out
+
+
+def adapter_folder(path: str | Path) -> Path:
+    """An adapter folder as given, or the latest checkpoint of a `train --lora` run folder."""
+    root = Path(path)
+    if (root / CONFIG_FILE).is_file():
+        return root
+    latest = latest_checkpoint(root)
+    if latest is not None and (latest / CONFIG_FILE).is_file():
+        return latest
+    if not root.exists():
+        raise OpenflashError(f"LoRA adapter {root} does not exist")
+    raise OpenflashError(f"{root}: neither a LoRA adapter folder ({CONFIG_FILE}, {WEIGHTS_FILE}) nor a "
+                         f"`train --lora` run with a checkpoint")
 
 
 def read_adapter(folder: str | Path) -> Adapter:
@@ -101,4 +116,4 @@ def read_adapter(folder: str | Path) -> Adapter:
     return Adapter(weights, float(alpha) / rank)
 
 
-__all__ = ["read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["adapter_folder", "read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]

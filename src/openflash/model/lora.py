@@ -87,42 +87,53 @@ class Adapter:
 
 
 class AdapterSelection:
-    """The adapter slot of each token of the running step: an int for all of them, or a tensor [tokens] (flattened
-    batch order); None outside a step. The runtime sets it around a step (`use`); the MoE narrows it to the tokens
-    it passes on (`narrowed`), one adapter at a time (`groups`)."""
+    """The adapter slot of each token of the running step; None outside a step. The runtime sets one slot per
+    batch row (`use`): a linear's input [B, S, ...] (any S: a bounded prefill's decoder half runs on fewer tokens)
+    takes each row's slot for its tokens. The MoE narrows it to the tokens it passes on (`narrowed`), one adapter
+    at a time (`groups`)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = list(names)
-        self._stack: list[torch.Tensor | int] = []
+        self._stack: list[int | tuple[torch.Tensor, bool]] = []  # a slot for all, or (slots, per_row)
 
     def slot(self, name: str | None) -> int:
         return BASE if name is None else self.names.index(name)
 
-    @contextmanager
-    def use(self, slots: torch.Tensor | int) -> Iterator[None]:
+    def use(self, slots: torch.Tensor | int, per_row: bool = True) -> AbstractContextManager[None]:
+        """Select `slots`: one for every token, or a tensor per batch row (per_row) or per token."""
         if isinstance(slots, torch.Tensor) and slots.numel() and bool((slots == slots.flatten()[0]).all()):
             slots = int(slots.flatten()[0])  # one adapter for the whole step: no per-row split
-        self._stack.append(slots)
+        return self._pushed(slots if isinstance(slots, int) else (slots.flatten(), per_row))
+
+    @contextmanager
+    def _pushed(self, entry: int | tuple[torch.Tensor, bool]) -> Iterator[None]:
+        self._stack.append(entry)
         try:
             yield
         finally:
             self._stack.pop()
 
-    def narrowed(self, index: torch.Tensor) -> AbstractContextManager[None]:
-        """The selection of the tokens `index` (a boolean mask or positions into the current tokens)."""
-        top = self._stack[-1] if self._stack else BASE
-        return self.use(top if isinstance(top, int) else top[index.flatten() if index.dtype == torch.bool
-                                                             else index])
+    def narrowed(self, mask: torch.Tensor) -> AbstractContextManager[None]:
+        """The selection of the tokens where mask [B, S] is true (a packed prefill's real tokens)."""
+        top = self.current(mask.numel())
+        return self.use(top if isinstance(top, int) else top[mask.flatten()], per_row=False)
 
-    def current(self, rows: int) -> torch.Tensor | int:
+    def current(self, tokens: int) -> torch.Tensor | int:
+        """The slot of every one of `tokens` tokens (batch-row order): an int for all, or a tensor [tokens]."""
         top = self._stack[-1] if self._stack else BASE
-        if not isinstance(top, int) and top.numel() != rows:
-            raise RuntimeError(f"the adapter selection covers {top.numel()} tokens but a linear got {rows} rows")
-        return top
+        if isinstance(top, int):
+            return top
+        slots, per_row = top
+        if per_row and tokens % slots.numel() == 0:
+            return slots.repeat_interleave(tokens // slots.numel())
+        if not per_row and tokens == slots.numel():
+            return slots
+        raise RuntimeError(f"the adapter selection covers {slots.numel()} {'rows' if per_row else 'tokens'} but a "
+                           f"linear got {tokens} rows")
 
-    def groups(self, rows: int) -> list[tuple[int, torch.Tensor]] | None:
+    def groups(self, tokens: int) -> list[tuple[int, torch.Tensor]] | None:
         """(slot, token positions) per adapter when the current tokens mix adapters, else None."""
-        top = self.current(rows)
+        top = self.current(tokens)
         if isinstance(top, int):
             return None
         return [(int(s), (top == s).nonzero().flatten()) for s in torch.unique(top).tolist()]

@@ -115,8 +115,8 @@ class _Choice:
 class _Job:
     """The engine requests of one HTTP request, and the queue their outputs arrive on."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, adapter: str | None = None) -> None:
+        self.engine, self.adapter = engine, adapter  # adapter: the served LoRA adapter the request named
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.choices: list[_Choice] = []
@@ -134,7 +134,7 @@ class _Job:
         if continuation is not None:  # stop at its token, then force the text (_continue)
             first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
         seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos,
-                                      images=images or ())
+                                      images=images or (), adapter=self.adapter)
         self.choices.append(_Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
                                     text=prefix, parser=parser, reply=reply, continuation=continuation,
                                     images=list(images or ())))
@@ -176,7 +176,7 @@ class _Job:
             seq = self.engine.add_request(c.prompt_ids + c.token_ids + forced_ids,
                                           replace(c.params, max_tokens=c.params.max_tokens - used),
                                           on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos,
-                                          images=c.images)
+                                          images=c.images, adapter=self.adapter)
         except OpenflashError as exc:
             log.warning("forcing the tool call of choice %d failed: %s", c.index, exc)
             return None
@@ -222,10 +222,21 @@ class OpenflashServer:
                         "full before their length is checked")
 
     # ---- request -> engine ----------------------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.model_name:
-            raise APIError(404, f"model {clip(name)} does not exist; this server serves {self.config.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for a name not served."""
+        if name is None or name == self.config.model_name:
+            return None
+        if name in self.engine.adapter_names:
+            return name
+        served = [self.config.model_name] + self.engine.adapter_names
+        raise APIError(404, f"model {clip(name)} does not exist; this server serves {', '.join(map(repr, served))}",
+                       param="model", code="model_not_found")
+
+    def card(self, adapter: str | None) -> ModelCard:
+        """/v1/models' entry of the base model or of a served adapter (its parent: the base)."""
+        if adapter is None:
+            return ModelCard(id=self.config.model_name, max_model_len=self.max_context)
+        return ModelCard(id=adapter, max_model_len=self.max_context, parent=self.config.model_name)
 
     def sampling(self, body: Any, max_tokens: int, choice: int) -> SamplingParams:
         vocab = self.engine.cfg.vocab_size
@@ -393,11 +404,11 @@ class OpenflashServer:
 
     # ---- endpoints --------------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         prompts = await self.off_loop(self.completion_prompts, body)
         for ids in prompts:
             self.check_ids(ids, "prompt")
-        job, rid = _Job(self.engine), f"cmpl-{uuid.uuid4().hex}"
+        job, rid = _Job(self.engine, adapter), f"cmpl-{uuid.uuid4().hex}"
         try:
             for ids in prompts:
                 prefix = self.tokenizer.decode(ids) if body.echo else ""
@@ -407,7 +418,7 @@ class OpenflashServer:
         except APIError:
             job.abort_unfinished()
             raise
-        created, name = int(time.time()), self.config.model_name
+        created, name = int(time.time()), adapter or self.config.model_name
 
         def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
             if not (out.text or out.finished):
@@ -428,7 +439,7 @@ class OpenflashServer:
         return await self.reply(job, body, request, chunk_of, usage_chunk, full)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         options = self.chat_options(body)
         prompt = await self.off_loop(self.chat_prompt, body.messages, options)
         ids = prompt.ids
@@ -436,7 +447,7 @@ class OpenflashServer:
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
             max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
-        job, rid = _Job(self.engine), f"chatcmpl-{uuid.uuid4().hex}"
+        job, rid = _Job(self.engine, adapter), f"chatcmpl-{uuid.uuid4().hex}"
         fmt = self.config.chat_format
         try:
             for _ in range(body.n):
@@ -448,7 +459,7 @@ class OpenflashServer:
         except APIError:
             job.abort_unfinished()
             raise
-        created, name = int(time.time()), self.config.model_name
+        created, name = int(time.time()), adapter or self.config.model_name
         started: set[int] = set()
 
         def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
@@ -554,12 +565,11 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=config.model_name, max_model_len=server.max_context)])
+        return ModelList(data=[server.card(None)] + [server.card(a) for a in engine.adapter_names])
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> ModelCard:
-        server.check_model(name)
-        return ModelCard(id=config.model_name, max_model_len=server.max_context)
+        return server.card(server.check_model(name))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -66,17 +66,22 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
 
 
 def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | None = None,
-               targets: tuple[str, ...] | None = None) -> tuple[Transformer, EngramFrontend | None, Path | None]:
+               targets: tuple[str, ...] | None = None) -> Runtime:
     """The checkpoint `init` kept as stored and frozen, with fresh fp32 LoRA adapters (`add_lora`) on `targets`
-    (default: model/lora.py DEFAULT_TARGETS), in training mode; its Engram frontend and folder, as `init_model`."""
-    runtime = open_model(str(init), numerics="fp32", weights="stored")
+    (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported beside the
+    checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no gradient,
+    and the released ones would not fit in memory."""
+    on_disk = Path(init).is_dir() and (Path(init) / "engram_tables").is_dir()
+    runtime = open_model(str(init), numerics="fp32", weights="stored", skip_engram_tables=on_disk)
     _check_tokenizer(runtime, init, data)
-    model = runtime.model.set_numerics(FINETUNE).train()
+    if on_disk:
+        runtime.place_engram("disk")
+    runtime.model.set_numerics(FINETUNE).train()
     try:
-        add_lora(model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)
+        add_lora(runtime.model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)
     except ValueError as exc:
         raise OpenflashError(f"--lora: {exc}") from None
-    return model, runtime.frontend, runtime.folder
+    return runtime
 
 
 @torch.no_grad()

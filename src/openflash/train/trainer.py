@@ -207,12 +207,10 @@ class Trainer:
         # A fine-tuning run keeps its checkpoint's Engram addressing: the token map it carries (copied into every
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
         self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
-        frontend = None
+        frontend, runtime = None, None
         if cfg.lora is not None:  # the base is read from --init on every start; checkpoints hold the adapters
-            self.model, frontend, init_folder = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha,
-                                                           cfg.lora_targets)
-            self.model_cfg = self.model.cfg
-            self.token_map_file = None  # the base's own frontend
+            runtime = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets)
+            self.model, self.model_cfg, self.token_map_file = runtime.model, runtime.cfg, None
         elif cfg.init is not None and self.resume_from is None:
             self.model, frontend, init_folder = init_model(cfg.init, self.train_data, numerics)
             self.model_cfg = self.model.cfg
@@ -224,7 +222,7 @@ class Trainer:
                                                                                          self.model_cfg))
         self.model.train()
         # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
-        self.runtime = Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
+        self.runtime = runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
