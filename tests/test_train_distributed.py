@@ -33,26 +33,32 @@ def make_dataset(root: Path) -> Path:
     return root / "data"
 
 
+def one_process(cfg: TrainConfig) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The run in this process with one thread, as each rank runs: its records and first step's gradients."""
+    records: list[dict] = []
+    grads: dict[str, torch.Tensor] = {}
+
+    def on_step(trainer: Trainer, record: dict) -> None:
+        records.append(record)
+        if record["step"] == 1:
+            grads.update(reduced_gradients(trainer))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(cfg, on_step=on_step).fit()
+    finally:
+        torch.set_num_threads(threads)
+    return records, grads
+
+
 def test_two_processes_match_one(tmp_path: Path) -> None:
     data = make_dataset(tmp_path)
     smooth = load_config("tiny").replace(num_experts_per_tok=8, index_topk=32, candidate_topk_blocks=8)
     smooth.save(tmp_path / "smooth.json")
     args = dict(config=str(tmp_path / "smooth.json"), data=str(data), steps=2, batch_size=4, seq_len=32, warmup=1,
                 lr=1e-3, eval_every=0, eval_batches=1, progress=False)
-    single_records: list[dict] = []
-    single_grads: dict[str, torch.Tensor] = {}
-
-    def on_step(trainer: Trainer, record: dict) -> None:
-        single_records.append(record)
-        if record["step"] == 1:
-            single_grads.update(reduced_gradients(trainer))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank runs
-    try:
-        Trainer(TrainConfig(**args, out=str(tmp_path / "one")), on_step=on_step).fit()
-    finally:
-        torch.set_num_threads(threads)
+    single_records, single_grads = one_process(TrainConfig(**args, out=str(tmp_path / "one")))
     multi = fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "two")), world_size=2,
                               first_step_grads=tmp_path / "grads.pt")
     multi_grads = torch.load(tmp_path / "grads.pt")
@@ -71,3 +77,31 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
     # Only rank 0 wrote the run folder.
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
                                                                      "train_args.json"]
+
+
+def test_lora_on_a_stored_base_two_processes_match_one(tmp_path: Path) -> None:
+    """`train --lora` under torchrun: each rank holds the frozen FP8/FP4 base, the adapters' gradients are averaged;
+    the first step's gradients and the losses equal one process's within fp32 summation error."""
+    from openflash.checkpoint import build_model, save_checkpoint
+    from openflash.train.trainer import training_model_config
+
+    data = make_dataset(tmp_path)
+    smooth = load_config("tiny").replace(num_experts_per_tok=8, index_topk=32, candidate_topk_blocks=8)
+    smooth.save(tmp_path / "smooth.json")
+    torch.manual_seed(0)
+    base = save_checkpoint(build_model(training_model_config(tmp_path / "smooth.json", tmp_path / "tokenizer.json")),
+                           tmp_path / "base", dtype="fp8", tokenizer_json=tmp_path / "tokenizer.json")
+    args = dict(init=str(base), lora=4, data=str(data), steps=2, batch_size=4, seq_len=32, warmup=1, lr=1e-3,
+                eval_every=0, eval_batches=1, progress=False)
+    single_records, single_grads = one_process(TrainConfig(**args, out=str(tmp_path / "one")))
+    multi = fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "two")), world_size=2,
+                              first_step_grads=tmp_path / "grads.pt")
+    multi_grads = torch.load(tmp_path / "grads.pt")
+    assert single_grads.keys() == multi_grads.keys() and all(".adapter.lora_" in n for n in single_grads)
+    for name, g in single_grads.items():
+        err = float((multi_grads[name] - g).norm())
+        assert err <= 1e-4 * float(g.norm()) + 1e-9, (name, err, float(g.norm()))
+    for a, b in zip(single_records, multi["records"]):
+        assert abs(a["loss_exact"] - b["loss_exact"]) < 1e-5, (a["loss_exact"], b["loss_exact"])
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_00000002").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "checksums.sha256", "tokenizer.json", "trainer_state.pt"]

@@ -10,6 +10,7 @@ what openflash applies is accepted: plain LoRA (no DoRA, rsLoRA, bias, per-modul
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,7 +22,14 @@ from openflash.errors import OpenflashError
 from openflash.files.atomic import write_json_atomic
 from openflash.files.manifest import write_manifest
 from openflash.files.run_dir import latest_checkpoint
-from openflash.model.lora import Adapter
+
+@dataclass
+class Adapter:
+    """One adapter as read: module name -> (A [r, in], B [out, r]) in fp32, and its alpha / rank."""
+
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    scaling: float
+
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -116,4 +124,4 @@ def read_adapter(folder: str | Path) -> Adapter:
     return Adapter(weights, float(alpha) / rank)
 
 
-__all__ = ["adapter_folder", "read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["Adapter", "adapter_folder", "read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]

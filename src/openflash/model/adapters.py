@@ -4,14 +4,21 @@ sets per step from its rows' requests."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 from torch import nn
 
 from openflash.model.layers import Linear
-from openflash.model.lora import Adapter, AdapterSelection, LoRABank
+from openflash.model.lora import AdapterSelection, LoRABank
 from openflash.model.moe import MoE
+
+
+class Adapter(Protocol):
+    """One adapter's weights (files/peft.py reads them): module name -> (A [r, in], B [out, r]), alpha / rank."""
+
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    scaling: float
 
 
 def attach_adapters(model: nn.Module, adapters: Mapping[str, Adapter]) -> AdapterSelection:

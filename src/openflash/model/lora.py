@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -77,14 +76,6 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor
 
 
 # ---- serving: several adapters, chosen per token -----------------------------------------------------------------
-
-@dataclass
-class Adapter:
-    """One adapter's weights: module name -> (A [r, in], B [out, r]), and its alpha / rank."""
-
-    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
-    scaling: float
-
 
 class AdapterSelection:
     """The adapter slot of each token of the running step; None outside a step. The runtime sets one slot per
@@ -168,5 +159,5 @@ class LoRABank(nn.Module):
         return y.view(*x.shape[:-1], out_features)
 
 
-__all__ = ["LoRA", "LoRABank", "Adapter", "AdapterSelection", "BASE", "add_lora", "adapter_weights",
+__all__ = ["LoRA", "LoRABank", "AdapterSelection", "BASE", "add_lora", "adapter_weights",
            "lora_delta", "DEFAULT_TARGETS"]

@@ -68,8 +68,12 @@ class DistContext:
 
     def broadcast_module_(self, module: nn.Module) -> None:
         """Make every rank start from rank 0's parameters and buffers."""
+        self.broadcast_(list(module.parameters()) + list(module.buffers()))
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Make every rank hold rank 0's values of these tensors."""
         if self.enabled:
-            for t in list(module.parameters()) + list(module.buffers()):
+            for t in tensors:
                 dist.broadcast(t.data, src=0)
 
 

@@ -22,10 +22,11 @@ from openflash import formats
 from openflash.checkpoint import build_model, open_model
 from openflash.config import FlashConfig
 from openflash.errors import OpenflashError
+from openflash.files.peft import Adapter
 from openflash.memory.frontend import EngramFrontend
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
-from openflash.model.lora import DEFAULT_TARGETS, Adapter, LoRA, add_lora
+from openflash.model.lora import DEFAULT_TARGETS, LoRA, add_lora
 from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
 from openflash.runtime import Runtime

@@ -248,6 +248,8 @@ class Trainer:
         self._save_seconds = 0.0
         if self.resume_from is not None:
             self._load(self.resume_from)
+        elif cfg.lora is not None:  # every rank read the same frozen base: only the fresh adapters differ
+            self.ctx.broadcast_(self.params)
         else:
             self.ctx.broadcast_module_(self.model)
 
