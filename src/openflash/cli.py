@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model to start from: with --data, fine-tune a checkpoint or run folder (its weights as "
                             "fp32 master weights; the data prepared with its tokenizer); with --dspark or --vision-data, "
                             "the model to draft for or to tune (a preset too for --vision-data)")
+    train.add_argument("--checkpoint-activations", action="store_true",
+                       help="keep only each block's inputs and recompute the rest in the backward: less memory "
+                            "(a released-width layer), one more forward per step")
     train.add_argument("--lora", type=int, default=None, metavar="RANK",
                        help="with --init: train LoRA adapters of this rank, the model frozen as stored (FP8, FP4, bf16; "
                             "no fp32 copy); checkpoints hold the adapters in the PEFT layout")

@@ -3,8 +3,12 @@ config places one (spec: architecture.md §4.4). The backbone's layers and the D
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from openflash.config import FlashConfig
 from openflash.model.attention import Attention
@@ -65,3 +69,24 @@ class Block(nn.Module, NumericsMixin):
                      ctx: StepContext, image_mask: torch.Tensor | None) -> torch.Tensor:
         """The MoE on the FFN's input, written into the streams."""
         return hc_kernels(self.numerics).write(self.ffn(ffn_in, ctx, image_mask), r1, f_post, f_comb)
+
+
+class RecomputedBlock:
+    """A block run under activation checkpointing (`train --checkpoint-activations`): only its inputs are kept for
+    the backward, which runs the block's forward again to rebuild the rest. The rerun sees the step context as the
+    first run did and counts no expert load (the step's tokens were counted once already)."""
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+
+    def __call__(self, residual: torch.Tensor, pre: torch.Tensor, ctx: StepContext,
+                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        state = ctx.shared_state()  # the rerun must see the context as this run does
+
+        @contextmanager
+        def rerun() -> Iterator[None]:  # entered when the backward reruns the block
+            with ctx.restored(state), self.block.ffn.uncounted():
+                yield
+
+        return checkpoint(self.block, residual, pre, ctx, image_mask, use_reentrant=False,
+                          context_fn=lambda: (nullcontext(), rerun()))

@@ -8,8 +8,9 @@ that exists for one call only, and carried state lives in the `ModelCache`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Iterator, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -96,6 +97,21 @@ class StepContext:
         if self.lengths is None:
             return self.positions[:, -1]
         return self.positions.gather(1, (self.lengths - 1).unsqueeze(1)).squeeze(1)
+
+    def shared_state(self) -> tuple:
+        """What blocks hand to later blocks through the context (CSA2 reuse: compressed views, top-k picks, the
+        candidate pool), as it stands now: `restored` puts it back for a rerun of a block (activation
+        checkpointing), which must take the paths the first run took."""
+        return dict(self.compressed), dict(self.topk), self.candidates
+
+    @contextmanager
+    def restored(self, state: tuple) -> Iterator[None]:
+        now = self.compressed, self.topk, self.candidates
+        self.compressed, self.topk, self.candidates = dict(state[0]), dict(state[1]), state[2]
+        try:
+            yield
+        finally:
+            self.compressed, self.topk, self.candidates = now
 
     def put(self, name: str, value: torch.Tensor) -> None:
         if self.probe is not None:

@@ -8,9 +8,9 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,7 @@ class MoE(nn.Module, NumericsMixin):
         self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
         # Served adapters (model/lora.py attach_adapters): which adapter each token uses; None without banks.
         self.adapters: AdapterSelection | None = None
+        self._count_load = True  # training counts each step's routed tokens (off while a checkpoint reruns it)
 
     def forward(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.lengths is not None:  # right-padded rows (a packed prefill): the padding is routed to no expert
@@ -168,7 +169,7 @@ class MoE(nn.Module, NumericsMixin):
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
             return self.numerics.round(y).view(shape)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
-        if self.training:
+        if self.training and self._count_load:
             self.expert_load += counts.to(self.expert_load.dtype)
         if path == "offloaded":
             y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), ctx.experts.combine, shared)
@@ -181,6 +182,15 @@ class MoE(nn.Module, NumericsMixin):
             y = routed.grouped(x, weights, ids, {e: self.experts[e] for e in counts.nonzero().flatten().tolist()},
                                shared)
         return self.numerics.round(y).view(shape)
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Route without adding to `expert_load` (activation checkpointing's rerun of a counted forward)."""
+        self._count_load = False
+        try:
+            yield
+        finally:
+            self._count_load = True
 
     def likely_experts(self, v: torch.Tensor, limit: int) -> list[int]:
         """Up to `limit` experts this layer's router would pick for inputs v [..., D] (already normed), the most

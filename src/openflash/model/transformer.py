@@ -32,7 +32,7 @@ from torch import nn
 
 from openflash.config import FlashConfig
 from openflash.model import dspark
-from openflash.model.block import Block
+from openflash.model.block import Block, RecomputedBlock
 from openflash.model.cache import ModelCache, ReplayBuffer, append_replay
 from openflash.model.compiled_blocks import CompiledBlock
 from openflash.model.context import CompressedView, ExpertSource, Probe, StepContext, real_tokens
@@ -102,6 +102,8 @@ class Transformer(nn.Module):
         self._noted_exact_prefill = False  # logged once: bounded prefill runs exact (Engram in the decoder half)
         # The compiled backend's training forward: each block's forward compiled on its own (compiled_blocks.py).
         self._compiled_blocks: list[CompiledBlock] | None = None
+        # Training: recompute each block's activations in the backward instead of keeping them (block.py).
+        self.checkpoint_blocks = False
 
     # ---- configuration ---------------------------------------------------------------------------------------
     def set_numerics(self, numerics: Numerics) -> "Transformer":
@@ -179,7 +181,8 @@ class Transformer(nn.Module):
 
     def _layers(self, residual: torch.Tensor, pre: torch.Tensor, layers: range, ctx: StepContext,
                 engram: EngramRows | None, image_mask: torch.Tensor | None,
-                forwards: Sequence[Block | CompiledBlock] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                forwards: Sequence[Block | CompiledBlock | RecomputedBlock] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """forwards: what runs each block (default: the blocks themselves)."""
         token_mask = None if image_mask is None else ~image_mask
         forwards = self.layers if forwards is None else forwards
@@ -228,14 +231,19 @@ class Transformer(nn.Module):
         """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it;
         images: the rows of the image-span positions, from `encode_image`, which stays in autograd). On the compiled
         backend a training-mode forward runs each block compiled (model/compiled_blocks.py); an eval-mode one (a
-        validation pass) runs the blocks themselves rather than compile a second set of graphs for a few batches."""
+        validation pass) runs the blocks themselves rather than compile a second set of graphs for a few batches.
+        With `checkpoint_blocks`, a training forward keeps only each block's inputs for the backward."""
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
                           taps=self._taps() if hidden else {})
         residual, pre = self.streams(input_ids, images)
-        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images),
-                                     self._blocks_compiled() if self.numerics.compiled and self.training else None)
+        forwards = None
+        if self.numerics.compiled and self.training:
+            forwards = self._blocks_compiled()
+        elif self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+            forwards = [RecomputedBlock(block) for block in self.layers]
+        residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images), forwards)
         logits = self._logits(residual, pre, ctx)
         loss = None
         if targets is not None:

@@ -104,6 +104,7 @@ class TrainConfig:
     lora: int | None = None  # LoRA rank: adapters on --init kept frozen as stored; checkpoints hold the adapters
     lora_alpha: float | None = None  # default 2 * rank
     lora_targets: list[str] | None = None  # regular expressions over module names (default model/lora.py's)
+    checkpoint_activations: bool = False  # keep each block's inputs only; its forward reruns in the backward
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -132,6 +133,8 @@ class TrainConfig:
                 raise OpenflashError("--lora trains through the stored weights eagerly; --compile does not apply")
         elif self.lora_alpha is not None or self.lora_targets:
             raise OpenflashError("--lora-alpha and --lora-targets need --lora RANK")
+        if self.compile and self.checkpoint_activations:
+            raise OpenflashError("--checkpoint-activations reruns the eager blocks; it does not combine with --compile")
         if self.compile and self.adaptive_threads:
             # Inductor's CPU kernels fix their thread count when they are built: re-picking it would not reach them.
             raise OpenflashError("--compile builds its kernels for one thread count; it cannot run with adaptive "
@@ -221,6 +224,7 @@ class Trainer:
             frontend = EngramFrontend.from_token_map(self.model_cfg, TokenMap.from_file(self.token_map_file,
                                                                                          self.model_cfg))
         self.model.train()
+        self.model.checkpoint_blocks = cfg.checkpoint_activations
         # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
         self.runtime = runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
