@@ -131,7 +131,7 @@ def test_served_adapters_share_a_batch_and_answer_in_the_taught_format(tuned, tm
         cards = client.get("/v1/models").json()["data"]
         assert [(c["id"], c["parent"]) for c in cards] == [("tiny-base", None), ("fmt", "tiny-base"),
                                                            ("noise", "tiny-base")]
-        body = {"model": "fmt", "messages": QUESTION, "max_tokens": 10}
+        body = {"model": "fmt", "messages": QUESTION, "max_tokens": 10, "temperature": 0}
         reply = client.post("/v1/chat/completions", json=body).json()
         assert reply["model"] == "fmt" and reply["choices"][0]["message"]["content"].startswith("ANSWER:")
         missing = client.post("/v1/chat/completions", json={**body, "model": "nope"})

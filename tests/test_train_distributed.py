@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from openflash.config import load_config
+from openflash.files.peft import read_adapter
 from openflash.train.data_parallel import fit_data_parallel, reduced_gradients
 from openflash.train.prepare import prepare_dataset
 from openflash.train.tokenizer import train_bpe_tokenizer
@@ -79,9 +80,10 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
                                                                      "train_args.json"]
 
 
-def test_lora_on_a_stored_base_two_processes_match_one(tmp_path: Path) -> None:
-    """`train --lora` under torchrun: each rank holds the frozen FP8/FP4 base, the adapters' gradients are averaged;
-    the first step's gradients and the losses equal one process's within fp32 summation error."""
+def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
+    """`train --lora` under torchrun: the frozen FP8/FP4 base and the adapters sharded with FSDP2 (train/sharded.py);
+    the first step's gradients (gathered whole), the losses and the saved adapter equal one process's within fp32
+    summation error."""
     from openflash.checkpoint import build_model, save_checkpoint
     from openflash.train.trainer import training_model_config
 
@@ -105,3 +107,7 @@ def test_lora_on_a_stored_base_two_processes_match_one(tmp_path: Path) -> None:
         assert abs(a["loss_exact"] - b["loss_exact"]) < 1e-5, (a["loss_exact"], b["loss_exact"])
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_00000002").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "checksums.sha256", "tokenizer.json", "trainer_state.pt"]
+    one, two = (read_adapter(tmp_path / run / "checkpoints" / "step_00000002").weights for run in ("one", "two"))
+    assert one.keys() == two.keys()
+    for name, (a, b) in one.items():  # two Adam steps: about lr * sign(g) each, signs of near-zero entries may flip
+        assert float((two[name][0] - a).abs().max()) <= 2.5e-3 and float((two[name][1] - b).abs().max()) <= 2.5e-3

@@ -188,7 +188,9 @@ class LayerKernels:
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         qdq = layer.quantized and layer.numerics.act_quant
-        if not (layer.fp32_resident or x.requires_grad) and layer.native_format and native.serves(x, layer.weight):
+        if x.numel() == 0:  # an expert without tokens, called for its (zero) gradients: nothing to read
+            y = x.new_zeros(*x.shape[:-1], layer.out_features, dtype=torch.float32)
+        elif not (layer.fp32_resident or x.requires_grad) and layer.native_format and native.serves(x, layer.weight):
             y = _native_linear(layer, x, qdq)  # the QDQ inside the call
         else:
             if qdq:  # with a gradient to pass on (fine-tuning a quantized base), straight-through

@@ -135,6 +135,7 @@ class MoE(nn.Module, NumericsMixin):
         # Served adapters (model/lora.py attach_adapters): which adapter each token uses; None without banks.
         self.adapters: AdapterSelection | None = None
         self._count_load = True  # training counts each step's routed tokens (off while a checkpoint reruns it)
+        self.every_expert = False  # training sharded over ranks (train/sharded.py): call experts without tokens too
 
     def forward(self, v: torch.Tensor, ctx: StepContext, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.lengths is not None:  # right-padded rows (a packed prefill): the padding is routed to no expert
@@ -174,7 +175,7 @@ class MoE(nn.Module, NumericsMixin):
         if path == "offloaded":
             y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), ctx.experts.combine, shared)
         elif path == "sorted":
-            y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared)
+            y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared, every=self.every_expert)
         elif path == "batched":
             y = routed.batched(x, weights, ids, counts, self._stack, self._stacked_swiglu(self.numerics.compiled),
                                shared)

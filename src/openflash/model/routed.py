@@ -124,17 +124,18 @@ def gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 def sorted_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                 experts: Sequence[ExpertFn], shared: torch.Tensor) -> torch.Tensor:
+                 experts: Sequence[ExpertFn], shared: torch.Tensor, every: bool = False) -> torch.Tensor:
     """One gather of the pairs sorted by expert, one contiguous slice per expert (experts[e] for every e), one
     scatter-add onto the shared expert's output: autograd then also does one scatter and one gather, instead of
-    one full-size zero-filled gradient per expert."""
+    one full-size zero-filled gradient per expert. every: call the experts that got no pair too (on an empty
+    slice), so each of their parameters gets a (zero) gradient."""
     k = ids.shape[1]
     order = torch.argsort(ids.flatten(), stable=True)
     token = torch.div(order, k, rounding_mode="floor")
     x_sorted, w_sorted = x.index_select(0, token), weights.flatten()[order]
     sizes = counts.tolist()
     outs = [experts[e](xe, we) for e, (xe, we) in enumerate(zip(x_sorted.split(sizes), w_sorted.split(sizes)))
-            if sizes[e]]
+            if sizes[e] or every]
     return shared.index_add(0, token, torch.cat(outs).float())
 
 

@@ -16,8 +16,10 @@ from openflash.train.trainer import TrainConfig, Trainer
 
 
 def reduced_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The gradients the last optimizer step used (averaged over the ranks, clipped), by parameter name."""
-    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    """The gradients the last optimizer step used (averaged over the ranks, clipped), by parameter name; whole
+    when the run is sharded (a collective then: every rank calls it)."""
+    return {n: (p.grad.full_tensor() if trainer.sharded else p.grad).detach().clone()
+            for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
 def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str, grads_path: str | None) -> None:
@@ -25,8 +27,10 @@ def _spawned_fit(ctx: DistContext, cfg_dict: dict[str, Any], records_path: str, 
 
     def on_step(trainer: Trainer, record: dict[str, Any]) -> None:
         records.append(record)
-        if grads_path is not None and record["step"] == 1 and ctx.is_main:
-            torch.save(reduced_gradients(trainer), grads_path)
+        if grads_path is not None and record["step"] == 1:
+            grads = reduced_gradients(trainer)
+            if ctx.is_main:
+                torch.save(grads, grads_path)
 
     result = Trainer(TrainConfig(**cfg_dict), ctx, on_step=on_step).fit()
     if ctx.is_main:

@@ -57,6 +57,7 @@ from openflash.train.finetune import init_model, load_adapter_weights, lora_mode
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
+from openflash.train.sharded import full_tensors, shard_lora_model
 from openflash.train.threads import ThreadTuner
 
 # A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
@@ -225,6 +226,15 @@ class Trainer:
                                                                                          self.model_cfg))
         self.model.train()
         self.model.checkpoint_blocks = cfg.checkpoint_activations
+        # LoRA under torchrun: the base and the adapters sharded over the ranks (FSDP2, train/sharded.py), which
+        # also averages the gradients; the fresh adapters are made equal first (every rank read the same base).
+        self.sharded = cfg.lora is not None and self.ctx.enabled
+        if self.sharded:
+            if cfg.resume:
+                raise OpenflashError("--resume of a LoRA run sharded over several processes is not supported yet: "
+                                     "resume it in one process")
+            self.ctx.broadcast_([p for p in self.model.parameters() if p.requires_grad])
+            shard_lora_model(self.model, self.ctx)
         # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
         self.runtime = runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -252,9 +262,7 @@ class Trainer:
         self._save_seconds = 0.0
         if self.resume_from is not None:
             self._load(self.resume_from)
-        elif cfg.lora is not None:  # every rank read the same frozen base: only the fresh adapters differ
-            self.ctx.broadcast_(self.params)
-        else:
+        elif not self.sharded:
             self.ctx.broadcast_module_(self.model)
 
     # ---- public ---------------------------------------------------------------------------------------------
@@ -359,7 +367,8 @@ class Trainer:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_grads(params, ctx)
+        if not self.sharded:  # (FSDP2 reduced them in the backward)
+            all_reduce_grads(params, ctx)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
             torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
         self.optimizer.step()
@@ -472,9 +481,13 @@ class Trainer:
             return final
         t0 = time.monotonic()
 
+        adapters = adapter_weights(self.model) if self.cfg.lora is not None else {}
+        if self.sharded:
+            adapters = full_tensors(adapters)  # every rank takes part in gathering them
+
         def write(folder: Path) -> None:
             if self.cfg.lora is not None:
-                write_adapter(folder, adapter_weights(self.model), self.cfg.lora,
+                write_adapter(folder, adapters, self.cfg.lora,
                               float(self.cfg.lora_alpha or 2 * self.cfg.lora), self.cfg.init)
                 shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
             else:
