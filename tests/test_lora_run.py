@@ -153,3 +153,47 @@ def test_a_merged_checkpoint_computes_base_plus_adapter(tuned, tmp_path, capsys)
     assert generate(merged, _prompt(merged, QUESTION), SamplingParams(max_tokens=4)).text.startswith("ANSWER")
     assert cli_main(["lora", "merge", str(tmp / "base"), str(tmp / "run"), str(tmp_path / "merged")]) != 0
     assert "merged already exists and is not empty" in capsys.readouterr().err
+
+
+def test_train_engram_updates_only_the_rows_batches_touch(tuned, tmp_path, capsys):
+    """`--train-engram`: fp32 values and Adam state for the touched rows only, the stored table untouched; saved
+    beside the adapter and resumed; refused per request by the server (merge first); merged as FP8 rows."""
+    from safetensors.torch import load_file
+
+    from openflash import formats
+    from openflash.model.engram_table import DeviceTable, decode_rows
+
+    tmp, trainer = tuned
+    cfg = {**trainer.cfg.__dict__, "out": str(tmp_path / "run"), "steps": 3, "batch_size": 1, "seq_len": 16,
+           "train_engram": True}  # few lookups: the tiny model's tables have 304 rows
+    rows_run = Trainer(TrainConfig(**cfg))
+    stored = {n: m.weight.clone() for n, m in rows_run.model.named_modules() if isinstance(m, DeviceTable)}
+    rows_run.fit()
+    assert rows_run.trained_rows and stored
+    for name, rows in rows_run.trained_rows.items():
+        table = rows_run.model.get_submodule(name)
+        assert 0 < len(rows) < table.num_rows  # touched rows only
+        assert rows.exp_avg.shape == rows.values.shape == (len(rows), table.dim)
+        assert torch.equal(table.weight, stored[name])  # the stored table itself never changes
+        start = decode_rows(formats.as_uint8(table.weight)[rows.rows], formats.as_uint8(table.scale)[rows.rows])
+        assert float((rows.values.detach() - start).abs().max()) > 0  # the rows moved
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003"
+    saved = load_file(str(checkpoint / "engram_rows.safetensors"))
+    name = next(iter(rows_run.trained_rows))
+    assert torch.equal(saved[f"{name}.rows"], rows_run.trained_rows[name].rows)
+    resumed = Trainer(TrainConfig(**{**cfg, "steps": 4, "resume": True}))
+    assert torch.equal(resumed.trained_rows[name].values.detach(), rows_run.trained_rows[name].values.detach())
+    with pytest.raises(OpenflashError, match="also trained Engram rows"):
+        open_model(str(tmp / "base")).load_adapters({"rows": checkpoint})
+    with pytest.raises(OpenflashError, match="--train-engram need --lora RANK"):
+        TrainConfig(data="d", out="o", train_engram=True)
+
+    assert cli_main(["lora", "merge", str(tmp / "base"), str(checkpoint), str(tmp_path / "merged")]) == 0
+    assert "trained Engram rows written into the tables" in capsys.readouterr().out
+    merged = open_model(str(tmp_path / "merged")).model.get_submodule(name)
+    rows = rows_run.trained_rows[name]
+    q, scale = formats.encode_window_fp8(rows.values.detach())
+    assert torch.equal(formats.as_uint8(merged.weight)[rows.rows], formats.as_uint8(q))
+    untouched = torch.ones(merged.num_rows, dtype=torch.bool)
+    untouched[rows.rows] = False
+    assert torch.equal(formats.as_uint8(merged.weight)[untouched], formats.as_uint8(stored[name])[untouched])

@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --init: train LoRA adapters of this rank, the model frozen as stored (FP8, FP4, bf16; "
                             "no fp32 copy); checkpoints hold the adapters in the PEFT layout")
     train.add_argument("--lora-alpha", type=float, default=None, help="with --lora: the adapters' alpha (default 2 x rank)")
+    train.add_argument("--train-engram", action="store_true",
+                       help="with --lora: train the Engram rows batches touch too (fp32 values and Adam state for those "
+                            "rows only, saved beside the adapter; serve the result after `openflash lora merge`)")
     train.add_argument("--lora-targets", nargs="+", default=None, metavar="REGEX",
                        help="with --lora: module names to adapt, as regular expressions (default: the attention "
                             "projections wq_a, wq_b, wkv, wo_b and the experts of every layer)")

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from openflash.errors import CheckpointError, OpenflashError, RequestError
 from openflash.files.manifest import file_sha256
 from openflash.files.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
-from openflash.files.peft import adapter_folder, read_adapter
+from openflash.files.peft import ENGRAM_ROWS_FILE, adapter_folder, read_adapter
 from openflash.files.manifest import verify_manifest
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
@@ -146,6 +146,9 @@ class Runtime:
         loaded = {}
         for name, path in named.items():
             folder = adapter_folder(path)
+            if (folder / ENGRAM_ROWS_FILE).is_file():
+                raise OpenflashError(f"--lora {name}: {folder} also trained Engram rows ({ENGRAM_ROWS_FILE}), which "
+                                     f"adapters served per request do not carry; serve `openflash lora merge` of it")
             loaded[name] = read_adapter(folder)
             self.adapter_keys.append(int(file_sha256(folder / ADAPTER_WEIGHTS)[:14], 16))
         experts = [(n, m) for n, a in loaded.items() for m in a.weights if ".ffn.experts." in m]

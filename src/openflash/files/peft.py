@@ -33,23 +33,22 @@ class Adapter:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# Engram rows trained beside the adapter (`train --train-engram`), not part of PEFT: table module name -> its rows
+# (`<table>.rows` int64), fp32 values and lazy Adam state (model/engram_rows.py TrainedRows.state_dict).
+ENGRAM_ROWS_FILE = "engram_rows.safetensors"
 PREFIX = "base_model.model."
 
 
 def write_adapter(folder: str | Path, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], rank: int,
                   alpha: float, base_model: str | None) -> Path:
     """Write module name -> (A, B) as a PEFT adapter folder (fp32 tensors); returns the folder."""
-    from safetensors.torch import save_file
-
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for module, (a, b) in weights.items():
         tensors[f"{PREFIX}{module}.lora_A.weight"] = a.detach().float().cpu().contiguous()
         tensors[f"{PREFIX}{module}.lora_B.weight"] = b.detach().float().cpu().contiguous()
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / WEIGHTS_FILE)
+    _save(tensors, out / WEIGHTS_FILE)
     write_json_atomic(out / CONFIG_FILE, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
@@ -57,6 +56,43 @@ def write_adapter(folder: str | Path, weights: Mapping[str, tuple[torch.Tensor, 
         "target_modules": sorted(weights)})
     write_manifest(out)
     return out
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise OpenflashError(f"{path}: unreadable safetensors file ({exc})") from None
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Written whole or not at all (a temporary file, renamed)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+def write_engram_rows(folder: Path, tables: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    _save({f"{table}.{key}": t.detach().cpu().contiguous() for table, state in tables.items()
+           for key, t in state.items()}, folder / ENGRAM_ROWS_FILE)
+
+
+def read_engram_rows(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The trained Engram rows saved beside an adapter, by table module name ({} when there are none)."""
+    path = folder / ENGRAM_ROWS_FILE
+    if not path.is_file():
+        return {}
+    tensors = _tensors(path)
+    tables: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        table, _, field = key.rpartition(".")
+        tables.setdefault(table, {})[field] = tensor
+    for table, state in tables.items():
+        if {"rows", "values"} - set(state):
+            raise OpenflashError(f"{path}: {table} lacks its rows or values")
+    return tables
 
 
 def adapter_folder(path: str | Path) -> Path:
@@ -96,10 +132,7 @@ def read_adapter(folder: str | Path) -> Adapter:
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise OpenflashError(f"{config_path}: r must be a positive integer and lora_alpha a number (got r={rank!r}, "
                              f"lora_alpha={alpha!r})")
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError) as exc:
-        raise OpenflashError(f"{weights_path}: unreadable safetensors file ({exc})") from None
+    tensors = _tensors(weights_path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
@@ -124,4 +157,4 @@ def read_adapter(folder: str | Path) -> Adapter:
     return Adapter(weights, float(alpha) / rank)
 
 
-__all__ = ["Adapter", "adapter_folder", "read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["Adapter", "ENGRAM_ROWS_FILE", "read_engram_rows", "write_engram_rows", "adapter_folder", "read_adapter", "write_adapter", "CONFIG_FILE", "WEIGHTS_FILE"]

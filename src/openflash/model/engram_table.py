@@ -15,6 +15,7 @@ from torch import nn
 
 from openflash.errors import ConfigError, EngramTableError
 from openflash.formats import as_uint8, dequantize_fp8_rows, encode_window_fp8
+from openflash.model.engram_rows import TrainedRows
 
 SCALE_BLOCK = 32  # one UE8M0 scale per 32 consecutive values of a row (engram.md §5)
 UE8M0_ONE = 127  # scale byte of 2^0: the padding value of sharded scale blocks (checkpoint.md §6)
@@ -70,6 +71,7 @@ class DeviceTable(nn.Module):
             raise ConfigError(f"engram_head_dim {dim} is not a multiple of {SCALE_BLOCK} (one scale per 32 values)")
         self.num_rows, self.dim, self.storage, self.init_std = int(num_rows), int(dim), storage, init_std
         self.released: str | None = None  # the tier that took over the rows (see `release`)
+        self.trained: TrainedRows | None = None  # rows a LoRA run trains (`train --train-engram`), fp32 masters
         if storage == "fp8":
             self.weight = nn.Parameter(torch.zeros(num_rows, dim, dtype=torch.float8_e4m3fn, device=device),
                                        requires_grad=False)
@@ -114,12 +116,17 @@ class DeviceTable(nn.Module):
         if self.released is not None:
             raise EngramTableError(f"this Engram table's rows were moved to the {self.released!r} tier; look them "
                                    f"up through the EngramMemory that holds them (its prepare() hands the rows down)")
-        if self.storage == "fp32":
+        if self.storage == "fp32" and self.trained is None:
             return F.embedding(ids, self.weight)
         flat = ids.reshape(-1).to(self.weight.device)
         if flat.device.type == "cpu":  # on an accelerator index_select asserts on bad ids; a CPU check is free
             check_ids(flat, self.num_rows, "Engram DeviceTable")
-        rows = decode_rows(as_uint8(self.weight).index_select(0, flat), as_uint8(self.scale).index_select(0, flat))
+        if self.storage == "fp32":
+            rows = self.weight.index_select(0, flat)
+        else:
+            rows = decode_rows(as_uint8(self.weight).index_select(0, flat), as_uint8(self.scale).index_select(0, flat))
+        if self.trained is not None:
+            rows = self.trained.overlay(flat, rows)
         return rows.reshape(*ids.shape, self.dim)
 
     forward = gather

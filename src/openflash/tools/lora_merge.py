@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from openflash import formats
 from openflash.checkpoint import load_checkpoint, save_checkpoint
 from openflash.errors import OpenflashError
 from openflash.files.manifest import MANIFEST_FILE
-from openflash.files.peft import adapter_folder, read_adapter
+from openflash.files.peft import adapter_folder, read_adapter, read_engram_rows
 from openflash.files.shards import INDEX_FILE
+from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.lora import lora_delta
 
@@ -31,11 +33,13 @@ class MergeReport:
     max_update: float  # largest |(alpha / r) B A| entry
     max_rounding: float  # largest |stored W' - exact W'| entry added by quantizing back
     mean_rounding: float  # mean of that over the changed weights
+    engram_rows: int = 0  # trained Engram rows written into the tables
 
     def summary(self) -> str:
         return (f"{self.folder}: {self.modules} weights merged; the adapter's update is at most {self.max_update:.3g} "
                 f"per entry, quantizing back to the stored formats adds at most {self.max_rounding:.3g} "
-                f"(mean {self.mean_rounding:.3g})")
+                f"(mean {self.mean_rounding:.3g})" + (f"; {self.engram_rows} trained Engram rows written into the tables "
+                                                      f"(FP8 rows where stored so)" if self.engram_rows else ""))
 
 
 @torch.no_grad()
@@ -74,13 +78,35 @@ def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path) -> Mer
         error = (linear.dequantized_rows(0, linear.out_features) - merged).abs()
         rounding_max, update_max = max(rounding_max, float(error.max())), max(update_max, float(delta.abs().max()))
         rounding_sum, count = rounding_sum + float(error.sum()), count + error.numel()
+    rows = _merge_engram_rows(model, read_engram_rows(folder), folder)
     out.mkdir(parents=True, exist_ok=True)
     own = {"config.json", INDEX_FILE, MANIFEST_FILE}
     for extra in base.iterdir():  # tokenizer, token map, generation config: as the base has them
         if extra.is_file() and extra.name not in own and not extra.name.endswith(".safetensors"):
             shutil.copy(extra, out / extra.name)
     save_checkpoint(model, out, dtype="fp32" if model.cfg.weight_dtype == "fp32" else "bf16")
-    return MergeReport(out, len(lora.weights), update_max, rounding_max, rounding_sum / max(count, 1))
+    return MergeReport(out, len(lora.weights), update_max, rounding_max, rounding_sum / max(count, 1), rows)
+
+
+@torch.no_grad()
+def _merge_engram_rows(model: nn.Module, tables: dict[str, dict[str, torch.Tensor]], folder: Path) -> int:
+    """Write trained Engram rows (`train --train-engram`) into the model's tables, as FP8 rows where the table
+    stores those (per-row UE8M0 per 32, engram.md §5); returns how many rows."""
+    held = {name: m for name, m in model.named_modules() if isinstance(m, DeviceTable)}
+    total = 0
+    for name, state in tables.items():
+        table = held.get(name)
+        if table is None or table.released is not None or table.weight.shape[0] != table.num_rows:
+            raise OpenflashError(f"{folder}: trained Engram rows of {name}, which the base does not hold in memory")
+        rows, values = state["rows"].long(), state["values"].float()
+        if table.storage == "fp8":
+            q, scale = formats.encode_window_fp8(values)
+            formats.as_uint8(table.weight)[rows] = formats.as_uint8(q)
+            formats.as_uint8(table.scale)[rows] = formats.as_uint8(scale)
+        else:
+            table.weight[rows] = values
+        total += rows.numel()
+    return total
 
 
 __all__ = ["MergeReport", "merge_adapter"]

@@ -24,6 +24,7 @@ from openflash.config import FlashConfig
 from openflash.errors import OpenflashError
 from openflash.files.peft import Adapter
 from openflash.memory.frontend import EngramFrontend
+from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.lora import DEFAULT_TARGETS, LoRA, add_lora
@@ -67,12 +68,16 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
 
 
 def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | None = None,
-               targets: tuple[str, ...] | None = None) -> Runtime:
+               targets: tuple[str, ...] | None = None, train_engram: bool = False) -> Runtime:
     """The checkpoint `init` kept as stored and frozen, with fresh fp32 LoRA adapters (`add_lora`) on `targets`
     (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported beside the
     checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no gradient,
-    and the released ones would not fit in memory."""
+    and the released ones would not fit in memory. train_engram: the tables held in memory train too, only the rows
+    batches touch (model/engram_rows.py)."""
     on_disk = Path(init).is_dir() and (Path(init) / "engram_tables").is_dir()
+    if train_engram and on_disk:
+        raise OpenflashError(f"--train-engram: {init}'s Engram tables are read from {Path(init) / 'engram_tables'} "
+                             f"on the disk tier, where rows do not train; without that folder they load into memory")
     runtime = open_model(str(init), numerics="fp32", weights="stored", skip_engram_tables=on_disk)
     _check_tokenizer(runtime, init, data)
     if on_disk:
@@ -82,6 +87,12 @@ def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | N
         add_lora(runtime.model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)
     except ValueError as exc:
         raise OpenflashError(f"--lora: {exc}") from None
+    if train_engram:
+        tables = [m for m in runtime.model.modules() if isinstance(m, DeviceTable)]
+        if not tables:
+            raise OpenflashError(f"--train-engram: {init} has no Engram tables")
+        for table in tables:
+            table.trained = TrainedRows(table.dim, table.weight.device)
     return runtime
 
 

@@ -42,11 +42,12 @@ from openflash.checkpoint import build_model, save_checkpoint
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import verify_manifest, write_manifest
-from openflash.files.peft import read_adapter, write_adapter
+from openflash.files.peft import read_adapter, read_engram_rows, write_adapter, write_engram_rows
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
 from openflash.model.compiled import check_toolchain
+from openflash.model.engram_table import DeviceTable
 from openflash.model.lora import adapter_weights
 from openflash.model.numerics import TRAIN
 from openflash.runtime import Runtime
@@ -66,7 +67,7 @@ PLAN_AT_STEPS = (4, 12, 30, 60, 100)
 
 # Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
 RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup", "init", "lora", "lora_alpha",
-                "lora_targets")
+                "lora_targets", "train_engram")
 
 log = logging.getLogger("openflash.train")
 
@@ -106,6 +107,7 @@ class TrainConfig:
     lora_alpha: float | None = None  # default 2 * rank
     lora_targets: list[str] | None = None  # regular expressions over module names (default model/lora.py's)
     checkpoint_activations: bool = False  # keep each block's inputs only; its forward reruns in the backward
+    train_engram: bool = False  # with lora: the Engram rows batches touch train too (sparse, model/engram_rows.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -132,8 +134,9 @@ class TrainConfig:
                 raise OpenflashError("--lora keeps the indexer frozen; --indexer-warmup does not apply")
             if self.compile:
                 raise OpenflashError("--lora trains through the stored weights eagerly; --compile does not apply")
-        elif self.lora_alpha is not None or self.lora_targets:
-            raise OpenflashError("--lora-alpha and --lora-targets need --lora RANK")
+        elif self.lora_alpha is not None or self.lora_targets or self.train_engram:
+            raise OpenflashError("--lora-alpha, --lora-targets and --train-engram need --lora RANK (full "
+                                 "fine-tuning trains the Engram tables anyway)")
         if self.compile and self.checkpoint_activations:
             raise OpenflashError("--checkpoint-activations reruns the eager blocks; it does not combine with --compile")
         if self.compile and self.adaptive_threads:
@@ -213,7 +216,8 @@ class Trainer:
         self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
         frontend, runtime = None, None
         if cfg.lora is not None:  # the base is read from --init on every start; checkpoints hold the adapters
-            runtime = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets)
+            runtime = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
+                                 cfg.train_engram)
             self.model, self.model_cfg, self.token_map_file = runtime.model, runtime.cfg, None
         elif cfg.init is not None and self.resume_from is None:
             self.model, frontend, init_folder = init_model(cfg.init, self.train_data, numerics)
@@ -229,7 +233,11 @@ class Trainer:
         # LoRA under torchrun: the base and the adapters sharded over the ranks (FSDP2, train/sharded.py), which
         # also averages the gradients; the fresh adapters are made equal first (every rank read the same base).
         self.sharded = cfg.lora is not None and self.ctx.enabled
+        self.trained_rows = {n: m.trained for n, m in self.model.named_modules()
+                             if isinstance(m, DeviceTable) and m.trained is not None}
         if self.sharded:
+            if self.trained_rows:
+                raise OpenflashError("--train-engram runs in one process: each rank would train other rows")
             if cfg.resume:
                 raise OpenflashError("--resume of a LoRA run sharded over several processes is not supported yet: "
                                      "resume it in one process")
@@ -369,9 +377,12 @@ class Trainer:
                 p.grad = torch.zeros_like(p)
         if not self.sharded:  # (FSDP2 reduced them in the backward)
             all_reduce_grads(params, ctx)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
-            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        clipped = params + [r.values for r in self.trained_rows.values() if r.values.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.grad_clip) if cfg.grad_clip > 0 else \
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in clipped]))
         self.optimizer.step()
+        for rows in self.trained_rows.values():  # the tables' rate, as in pre-training (optim.py)
+            rows.adam_step(cfg.lr * cfg.engram_lr_mult * multiplier)
 
         loads = ctx.all_reduce_sum_(expert_loads(model))
         if not indexer_stage and cfg.lora is None:  # LoRA: the base, router bias included, stays frozen
@@ -489,6 +500,8 @@ class Trainer:
             if self.cfg.lora is not None:
                 write_adapter(folder, adapters, self.cfg.lora,
                               float(self.cfg.lora_alpha or 2 * self.cfg.lora), self.cfg.init)
+                if self.trained_rows:
+                    write_engram_rows(folder, {n: r.state_dict() for n, r in self.trained_rows.items()})
                 shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
             else:
                 save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
@@ -508,6 +521,12 @@ class Trainer:
         state = read_trainer_state(checkpoint)
         if self.cfg.lora is not None:
             load_adapter_weights(self.model, read_adapter(checkpoint), checkpoint)
+            saved = read_engram_rows(checkpoint)
+            if set(saved) != set(self.trained_rows):
+                raise OpenflashError(f"{checkpoint}: trained Engram rows of {sorted(saved)}, this run trains "
+                                     f"{sorted(self.trained_rows)}")
+            for name, rows in saved.items():
+                self.trained_rows[name].load_state_dict(rows)
         else:
             self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
         try:
