@@ -11,6 +11,7 @@ compressed entry selected, so the first step has no routing choice to flip.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -80,10 +81,8 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
                                                                      "train_args.json"]
 
 
-def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
-    """`train --lora` under torchrun: the frozen FP8/FP4 base and the adapters sharded with FSDP2 (train/sharded.py);
-    the first step's gradients (gathered whole), the losses and the saved adapter equal one process's within fp32
-    summation error."""
+def _lora_base(tmp_path: Path) -> tuple[Path, Path]:
+    """(prepared data, a checkpoint of the smooth tiny config in the official FP8/FP4 layout)."""
     from openflash.checkpoint import build_model, save_checkpoint
     from openflash.train.trainer import training_model_config
 
@@ -93,6 +92,14 @@ def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
     torch.manual_seed(0)
     base = save_checkpoint(build_model(training_model_config(tmp_path / "smooth.json", tmp_path / "tokenizer.json")),
                            tmp_path / "base", dtype="fp8", tokenizer_json=tmp_path / "tokenizer.json")
+    return data, base
+
+
+def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
+    """`train --lora` under torchrun: the frozen FP8/FP4 base and the adapters sharded with FSDP2 (train/sharded.py);
+    the first step's gradients (gathered whole), the losses and the saved adapter equal one process's within fp32
+    summation error."""
+    data, base = _lora_base(tmp_path)
     args = dict(init=str(base), lora=4, data=str(data), steps=2, batch_size=4, seq_len=32, warmup=1, lr=1e-3,
                 eval_every=0, eval_batches=1, progress=False)
     single_records, single_grads = one_process(TrainConfig(**args, out=str(tmp_path / "one")))
@@ -111,3 +118,23 @@ def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
     assert one.keys() == two.keys()
     for name, (a, b) in one.items():  # two Adam steps: about lr * sign(g) each, signs of near-zero entries may flip
         assert float((two[name][0] - a).abs().max()) <= 2.5e-3 and float((two[name][1] - b).abs().max()) <= 2.5e-3
+
+
+def test_a_sharded_lora_run_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """A sharded run saves its adapters and its optimizer state whole; resumed (sharded again) from step 2, its step
+    3 equals the uninterrupted run's."""
+    data, base = _lora_base(tmp_path)
+    args = dict(init=str(base), lora=4, data=str(data), steps=3, batch_size=4, seq_len=32, warmup=1, lr=1e-3,
+                eval_every=0, eval_batches=1, save_every=2, keep_checkpoints=2, progress=False)
+    fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "whole")), world_size=2)
+    (tmp_path / "cut" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step_00000002", tmp_path / "cut" / "checkpoints" /
+                    "step_00000002")
+    for name in ("config.json", "train_args.json", "metrics.jsonl"):
+        shutil.copy(tmp_path / "whole" / name, tmp_path / "cut" / name)
+    resumed = fit_data_parallel(TrainConfig(**args, out=str(tmp_path / "cut"), resume=True), world_size=2)
+    assert resumed["step"] == 3 and len(resumed["records"]) == 1
+    whole, cut = (read_adapter(tmp_path / run / "checkpoints" / "step_00000003").weights for run in ("whole", "cut"))
+    for name, (a, b) in whole.items():
+        torch.testing.assert_close(cut[name][0], a, rtol=0, atol=1e-6)
+        torch.testing.assert_close(cut[name][1], b, rtol=0, atol=1e-6)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -202,15 +202,17 @@ class TrainOptimizer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"adam": self.adam.state_dict(), "muon": None if self.muon is None else self.muon.state_dict(),
-                "names": self.names}
+    def state_dict(self, adam: Callable[[torch.optim.Optimizer], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """adam: how to take the AdamW state (default its own state_dict; a sharded run gathers it whole)."""
+        return {"adam": (adam or torch.optim.Optimizer.state_dict)(self.adam),
+                "muon": None if self.muon is None else self.muon.state_dict(), "names": self.names}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any],
+                        adam: Callable[[torch.optim.Optimizer, dict[str, Any]], None] | None = None) -> None:
         if state.get("names") != self.names:
             raise OpenflashError("optimizer state does not match the model's parameters (different config or "
                                  "optimizer choice than the run being resumed)")
-        self.adam.load_state_dict(state["adam"])
+        (adam or torch.optim.Optimizer.load_state_dict)(self.adam, state["adam"])
         if (state["muon"] is None) != (self.muon is None):
             raise OpenflashError("optimizer state was saved with a different --optimizer than the one requested")
         if self.muon is not None:

@@ -16,8 +16,12 @@ gradients), where a single process calls only the experts it routed to.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -52,9 +56,19 @@ def shard_lora_model(model: Transformer, ctx: DistContext) -> None:
     fully_shard(model, mesh=mesh, ignored_params=tables)
 
 
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state gathered whole, keyed by parameter name (a collective: every rank calls it)."""
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`full_optimizer_state`'s result back into a sharded optimizer (every rank calls it with the same state)."""
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
 def full_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Sharded adapter weights gathered whole (a collective: every rank calls it)."""
     return {name: (a.full_tensor(), b.full_tensor()) for name, (a, b) in weights.items()}
 
 
-__all__ = ["shard_lora_model", "full_tensors"]
+__all__ = ["shard_lora_model", "full_tensors", "full_optimizer_state", "load_full_optimizer_state"]

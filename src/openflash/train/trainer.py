@@ -32,6 +32,7 @@ import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +59,7 @@ from openflash.train.finetune import init_model, load_adapter_weights, lora_mode
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
-from openflash.train.sharded import full_tensors, shard_lora_model
+from openflash.train.sharded import full_optimizer_state, full_tensors, load_full_optimizer_state, shard_lora_model
 from openflash.train.threads import ThreadTuner
 
 # A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
@@ -238,10 +239,10 @@ class Trainer:
         if self.sharded:
             if self.trained_rows:
                 raise OpenflashError("--train-engram runs in one process: each rank would train other rows")
-            if cfg.resume:
-                raise OpenflashError("--resume of a LoRA run sharded over several processes is not supported yet: "
-                                     "resume it in one process")
-            self.ctx.broadcast_([p for p in self.model.parameters() if p.requires_grad])
+            if self.resume_from is not None:  # into the whole adapters, before they are sharded
+                load_adapter_weights(self.model, read_adapter(self.resume_from), self.resume_from)
+            else:
+                self.ctx.broadcast_([p for p in self.model.parameters() if p.requires_grad])
             shard_lora_model(self.model, self.ctx)
         # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
         self.runtime = runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
@@ -478,7 +479,8 @@ class Trainer:
             "trained_seconds": self.trained_seconds,
             "last_val_loss": self.last_val_loss,
             "world_size": self.ctx.world_size,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict(partial(full_optimizer_state, self.model) if self.sharded
+                                                   else None),
             "schedule": self.schedule.state_dict(),
             "loader": self.loader.state_dict(),
             "rng": torch.get_rng_state(),
@@ -494,7 +496,8 @@ class Trainer:
 
         adapters = adapter_weights(self.model) if self.cfg.lora is not None else {}
         if self.sharded:
-            adapters = full_tensors(adapters)  # every rank takes part in gathering them
+            adapters = full_tensors(adapters)  # every rank takes part in gathering them (and the optimizer state)
+        trainer_state = self.state_dict()
 
         def write(folder: Path) -> None:
             if self.cfg.lora is not None:
@@ -507,7 +510,7 @@ class Trainer:
                 save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
             if self.token_map_file is not None:
                 shutil.copy(self.token_map_file, folder / self.token_map_file.name)
-            torch.save(self.state_dict(), folder / STATE_FILE)
+            torch.save(trainer_state, folder / STATE_FILE)
             write_manifest(folder)  # again, now covering the trainer state too
 
         if self.ctx.is_main:
@@ -520,7 +523,8 @@ class Trainer:
     def _load(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
         if self.cfg.lora is not None:
-            load_adapter_weights(self.model, read_adapter(checkpoint), checkpoint)
+            if not self.sharded:  # (a sharded run loaded them before sharding)
+                load_adapter_weights(self.model, read_adapter(checkpoint), checkpoint)
             saved = read_engram_rows(checkpoint)
             if set(saved) != set(self.trained_rows):
                 raise OpenflashError(f"{checkpoint}: trained Engram rows of {sorted(saved)}, this run trains "
@@ -530,7 +534,8 @@ class Trainer:
         else:
             self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"], partial(load_full_optimizer_state, self.model)
+                                           if self.sharded else None)
         except (KeyError, ValueError, RuntimeError) as exc:
             raise OpenflashError(f"{checkpoint / STATE_FILE}: optimizer state does not fit the model ({exc})") \
                 from None
