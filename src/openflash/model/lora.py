@@ -78,7 +78,7 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor
 # ---- serving: several adapters, chosen per token -----------------------------------------------------------------
 
 class AdapterSelection:
-    """The adapter slot of each token of the running step; None outside a step. The runtime sets one slot per
+    """The adapter slot of each token of the running step (BASE outside a step). The runtime sets one slot per
     batch row (`use`): a linear's input [B, S, ...] (any S: a bounded prefill's decoder half runs on fewer tokens)
     takes each row's slot for its tokens. The MoE narrows it to the tokens it passes on (`narrowed`), one adapter
     at a time (`groups`)."""
