@@ -119,7 +119,7 @@ def train(args: argparse.Namespace) -> int:
     if ctx.is_main and result.stopped_by == "interrupt":
         print(f"resume with: openflash train --data {cfg.data} --out {cfg.out} --resume")
     elif ctx.is_main and cfg.lora is not None and result.checkpoint is not None:
-        print(f"adapter: {result.checkpoint} (PEFT layout); serve it with: openflash serve {cfg.init} "
+        print(f"adapter: {result.checkpoint} (PEFT layout); serve it with: openflash serve --model {cfg.init} "
               f"--lora NAME={cfg.out}")
     return 0
 
