@@ -109,7 +109,7 @@ def _generate_speculative(loaded: Runtime, args: Any, params: SamplingParams, id
     engine = LLMEngine(loaded, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, prefill_mode=args.prefill_mode))
-    seq = engine.generate([ids], params, images=[images])[0]
+    seq = engine.generate([ids], params, images=[images], adapters=[None if args.lora is None else "adapter"])[0]
     m = engine.metrics
     decode = seq.token_times[-1] - seq.token_times[0] if len(seq.token_times) > 1 else float("nan")
     print(f"# {loaded.note}")

@@ -41,7 +41,8 @@ def attach_adapters(model: nn.Module, adapters: Mapping[str, Adapter]) -> Adapte
     for module, pairs in per_linear.items():
         linears[module].adapter = LoRABank(selection, pairs, scalings)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.adapters = selection  # it routes each adapter's tokens apart
+        if any(lin.adapter is not None for e in moe.experts for lin in (e.w1, e.w2, e.w3)):
+            moe.adapters = selection  # its routed experts are adapted: it routes each adapter's tokens apart
     return selection
 
 
