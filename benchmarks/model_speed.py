@@ -1,7 +1,7 @@
 """Model speed on this machine: prefill tokens/s and decode ms/token (batch 1), against measured rooflines.
 
     python benchmarks/model_speed.py [--presets tiny small] [--checkpoint DIR ...] [--backends eager compiled]
-                                     [--prompt 512] [--decode 64]
+                                     [--weights dequantized stored] [--prompt 512] [--decode 64]
 
 Rooflines are measured by the script itself: fp32 matmul peak (a large square matmul) and memory bandwidth (a large
 tensor copy, read + write). Decode at batch 1 reads every active weight once per token: its roofline time is
@@ -9,7 +9,9 @@ active-weight bytes / bandwidth. Prefill is compute-bound: model FLOPs = 2 x act
 Backends: `eager` (the reference implementation) and `compiled` (model/compiled.py: fused kernels for prefill, each
 decode step one graph, model/decode_graph.py), measured in turn in one process,
 the best of `--rounds` each; the first warm-up of the compiled backend includes its compilation (less where
-inductor's on-disk cache already holds the kernels). Writes benchmarks/results/model_speed.json.
+inductor's on-disk cache already holds the kernels). Weights (`--weights`): quantized weights dequantized to fp32
+once, or kept as stored and computed by the native kernels (up to 16 rows) or dequantized tiles (the compiled
+backend then runs decode per kernel, not as one graph). Writes benchmarks/results/model_speed.json.
 """
 
 from __future__ import annotations
@@ -114,18 +116,20 @@ def explain_decode(rt: Runtime, ids: torch.Tensor) -> dict:
 
 
 def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth: float, backends: list[str],
-          rounds: int, profile: bool = False, explain: bool = False) -> list[dict]:
+          rounds: int, profile: bool = False, explain: bool = False,
+          weights: tuple[str, ...] = ("dequantized",)) -> list[dict]:
     """One model (a preset with random weights, or a checkpoint folder), every backend `rounds` times in turn;
     the best round of each is reported (the machine is shared: the minimum is the least disturbed)."""
     rt = open_model(name)
     model, cfg = rt.model, rt.cfg
     plan = build_plan(name)
     ids = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    runs: dict[str, list[tuple[float, float, float]]] = {b: [] for b in backends}
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {(b, w): [] for b in backends for w in weights}
     for _ in range(rounds):
-        for backend in backends:
-            model.set_numerics(FP32.with_compile(backend == "compiled"))
-            runs[backend].append(measure(rt, ids, decode_steps))
+        for backend, residency in runs:
+            model.set_numerics(FP32.with_compile(backend == "compiled")).set_weight_residency(residency)
+            runs[backend, residency].append(measure(rt, ids, decode_steps))
+    model.set_weight_residency(weights[0])
     # fp32 weights in memory: 4 bytes per active parameter, plus the KV entries one token reads
     decode_bytes = 4 * plan.active_decode_token
     prefill_flops = prompt_len * (2 * plan.active_decode_token + attention_flops_per_token(cfg, prompt_len))
@@ -140,11 +144,12 @@ def bench(name: str, prompt_len: int, decode_steps: int, peak: float, bandwidth:
             model.set_numerics(FP32.with_compile(backend == "compiled"))
             print(f"== {name}, {backend}: top ops of 10 decode steps (torch.profiler, self CPU time)")
             print(profile_decode(rt, ids[:, :64], 10))
-    for backend, results in runs.items():
+    for (backend, residency), results in runs.items():
         prefill_s = min(r[1] for r in results)
         decode_s = min(r[2] for r in results)
         rows.append({
-            "model": name, "backend": backend, "prompt_tokens": prompt_len, "decode_steps": decode_steps,
+            "model": name, "backend": backend, "weights": residency, "prompt_tokens": prompt_len,
+            "decode_steps": decode_steps,
             "first_warmup_s": results[0][0],
             "prefill_tokens_per_s": prompt_len / prefill_s,
             "decode_ms_per_token": 1000 * decode_s,
@@ -162,6 +167,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", nargs="*", default=[], metavar="DIR",
                         help="official-layout checkpoints (e.g. tests/goldens/A2, a `checkpoint synth` output)")
     parser.add_argument("--backends", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--weights", nargs="+", default=["dequantized"], choices=["dequantized", "stored"])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per backend (best one reported)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=64)
@@ -175,11 +181,11 @@ def main() -> None:
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = [r for name in args.presets + args.checkpoint
             for r in bench(name, args.prompt, args.decode, peak, bandwidth, args.backends, args.rounds,
-                           args.profile, args.explain)]
-    print(f"{'model':<22}{'backend':>9}{'warm-up s':>10}{'prefill tok/s':>15}{'of peak':>9}{'decode ms/tok':>15}"
+                           args.profile, args.explain, tuple(args.weights))]
+    print(f"{'model':<22}{'backend':>9}{'weights':>12}{'warm-up s':>10}{'prefill tok/s':>15}{'of peak':>9}{'decode ms/tok':>15}"
           f"{'of bandwidth':>14}")
     for r in rows:
-        print(f"{r['model']:<22}{r['backend']:>9}{r['first_warmup_s']:>10.1f}{r['prefill_tokens_per_s']:>15,.0f}"
+        print(f"{r['model']:<22}{r['backend']:>9}{r['weights']:>12}{r['first_warmup_s']:>10.1f}{r['prefill_tokens_per_s']:>15,.0f}"
               f"{r['prefill_matmul_peak_fraction']:>9.1%}{r['decode_ms_per_token']:>15.2f}"
               f"{r['decode_bandwidth_fraction']:>14.1%}")
     out = Path(args.out)

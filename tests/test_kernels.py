@@ -163,3 +163,20 @@ def test_bad_arguments_are_named_before_the_c_code_sees_them():
         native.fp8_gemv(torch.randn(2, 64), q, s[:, :1].contiguous(), False)
     with pytest.raises(ValueError, match="of_bf16_gemv: weight torch.float32"):
         native.bf16_gemv(torch.randn(2, 64), torch.randn(8, 64))
+
+
+def test_the_experts_call_names_bad_arguments():
+    """`fp4_experts` (one call for a layer's routed experts; equal to one call per expert: tests/test_routed.py)
+    checks what the C code trusts."""
+    g = torch.Generator().manual_seed(6)
+    w1 = torch.randint(0, 255, (64, 32), dtype=torch.uint8, generator=g)  # I = 64, K = 64
+    s1 = torch.full((64, 2), 127, dtype=torch.uint8)
+    w2, s2 = torch.randint(0, 255, (64, 32), dtype=torch.uint8, generator=g), torch.full((64, 2), 127, dtype=torch.uint8)
+    pair = dict(token=torch.tensor([0]), expert=torch.tensor([0]), weight=torch.tensor([1.0]), limit=7.0, act_qdq=True)
+    y = native.fp4_experts(torch.randn(1, 64), [w1], [s1], [w1], [s1], [w2], [s2], **pair)
+    assert y.shape == (1, 64) and torch.isfinite(y).all()
+    with pytest.raises(ValueError, match=r"of_fp4_experts: a pair names a token outside 0..0 or an expert outside"):
+        native.fp4_experts(torch.randn(1, 64), [w1], [s1], [w1], [s1], [w2], [s2],
+                           **{**pair, "expert": torch.tensor([1])})
+    with pytest.raises(ValueError, match=r"w2 holds a torch.uint8 \(64, 16\) tensor, not contiguous bytes \(64, 32\)"):
+        native.fp4_experts(torch.randn(1, 64), [w1], [s1], [w1], [s1], [w2[:, :16]], [s2], **pair)

@@ -10,6 +10,7 @@ import torch
 
 from openflash import formats
 from openflash.config import load_config
+from openflash.kernels import native
 from openflash.model import routed
 from openflash.model.moe import MoE, batched_swiglu
 from openflash.model.numerics import FP32, PLAIN, TRAIN
@@ -46,7 +47,9 @@ def _paths(moe: MoE, x, weights, ids, counts, shared) -> dict[str, torch.Tensor]
     every = {e: moe.experts[e] for e in range(moe.n_experts)}
     stack = lambda chosen: tuple(torch.stack([getattr(moe.experts[e], name).dequantized_weight() for e in chosen])  # noqa: E731
                                  for name in ("w1", "w3", "w2"))
-    return {
+    paths = {"native": routed.native(x, weights, ids, moe._native_experts, shared)} \
+        if first.w1.storage == "fp4" and native.status().available else {}
+    return paths | {
         "batched": routed.batched(x, weights, ids, counts, stack, swiglu, shared),
         "gathered": routed.gathered(x, weights, ids, stack(range(moe.n_experts)), swiglu, shared),
         "sorted": routed.sorted_pairs(x, weights, ids, counts, moe.experts, shared),
@@ -71,7 +74,8 @@ def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
         want = routed.grouped(x, weights, ids, {e: moe.experts[e] for e in counts.nonzero().flatten().tolist()},
                               shared)
         got = _paths(moe, x, weights, ids, counts, shared)
-    assert set(got) | {"grouped"} == set(routed.ROUTED_PATHS)
+    untested = {"native"} if storage == "float" or not native.status().available else set()  # FP4 experts only
+    assert set(got) | {"grouped"} | untested == set(routed.ROUTED_PATHS)
     for path, y in got.items():
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{path}: {m}")
 
@@ -84,3 +88,6 @@ def test_choose_takes_the_calls_facts():
     assert routed.choose(FP32, **{**step, "static": True}) == "gathered"
     assert routed.choose(FP32, **{**step, "offloaded": True}) == "offloaded"
     assert routed.choose(TRAIN, **step) == "sorted"
+    stored = {**step, "fp32_experts": False, "native": True}  # FP4 experts kept as stored, kernels here
+    assert routed.choose(FP32, **stored) == "native"
+    assert routed.choose(FP32, **{**stored, "pairs": routed.NATIVE_PAIRS + 1}) == "grouped"

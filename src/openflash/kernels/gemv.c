@@ -253,6 +253,41 @@ AVX2 static void bf16_gemv_avx2(const float *x, const uint16_t *w, float *y, int
     }
 }
 
+/* ---- the routed experts of one MoE layer in one call (FP4) ----------------------------------------------------
+ * For each (token, expert) pair p, in the order given (pairs of one expert together, experts ascending):
+ *   h_p = weight_p * silu(min(x_t W1^T, L)) * clamp(x_t W3^T, -L, L), FP8-QDQ'd per 32 when act_qdq
+ *   y[t] += h_p W2^T, summed in pair order (as one call per expert does, model/routed.py `grouped`)
+ * x is QDQ'd once per token when act_qdq. Threads split each phase's outputs over all pairs at once: one parallel
+ * region per layer, where one call per expert and projection opens eighteen. Each output is the same 1-row dot
+ * product fp4_gemv computes. */
+AVX2 static void fp4_experts_avx2(const float *x, int K, int I, const uint8_t *const *w1, const uint8_t *const *s1,
+                                  const uint8_t *const *w3, const uint8_t *const *s3, const uint8_t *const *w2,
+                                  const uint8_t *const *s2, int P, const int64_t *token, const int64_t *expert,
+                                  const float *weight, float limit, int act_qdq, float *h, float *out, int threads) {
+    const long up_rows = (long)P * I, down_rows = (long)P * K;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long idx = 0; idx < up_rows; idx++) {
+            const long p = idx / I, i = idx % I, e = expert[p];
+            const float *xr = x + (size_t)token[p] * K;
+            float g, u;
+            fp4_row(w1[e] + (size_t)i * (K / 2), s1[e] + (size_t)i * (K / 32), xr, K, 1, &g, 1);
+            fp4_row(w3[e] + (size_t)i * (K / 2), s3[e] + (size_t)i * (K / 32), xr, K, 1, &u, 1);
+            g = g > limit ? limit : g;
+            u = u > limit ? limit : (u < -limit ? -limit : u);
+            h[idx] = weight[p] * (g / (1.0f + expf(-g)) * u);
+        }
+#pragma omp single
+        if (act_qdq) qdq_activations(h, h, P, I); /* in place: each group's amax is taken before it is written */
+#pragma omp for schedule(static)
+        for (long idx = 0; idx < down_rows; idx++) {
+            const long p = idx / K, k = idx % K, e = expert[p];
+            fp4_row(w2[e] + (size_t)k * (I / 2), s2[e] + (size_t)k * (I / 32), h + (size_t)p * I, I, 1, out + idx, 1);
+        }
+    }
+}
+
 /* ---- entry points (0: done; < 0: not served, the caller falls back) ------------------------------------------ */
 
 static float *scratch(size_t n) { return (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64); }
@@ -288,5 +323,28 @@ int of_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y
 int of_bf16_gemv(const float *x, const uint16_t *w, float *y, int R, int N, int K, int threads) {
     if (!of_cpu_supported() || R < 1 || R > MAX_ROWS) return -1;
     bf16_gemv_avx2(x, w, y, R, N, K, threads);
+    return 0;
+}
+
+/* y [T, K] (zeroed by the caller) += the routed experts' outputs (fp4_experts_avx2); E pointers per table. */
+int of_fp4_experts(const float *x, int T, int K, int I, const uint8_t *const *w1, const uint8_t *const *s1,
+                   const uint8_t *const *w3, const uint8_t *const *s3, const uint8_t *const *w2,
+                   const uint8_t *const *s2, int P, const int64_t *token, const int64_t *expert, const float *weight,
+                   float limit, int act_qdq, float *y, int threads) {
+    if (!of_cpu_supported() || T < 1 || P < 1 || K % 32 || I % 32) return -1;
+    float *xq = act_qdq ? scratch((size_t)T * K) : NULL, *h = scratch((size_t)P * I), *out = scratch((size_t)P * K);
+    if ((act_qdq && !xq) || !h || !out) {
+        free(xq), free(h), free(out);
+        return -2;
+    }
+    if (act_qdq) qdq_activations(x, xq, T, K);
+    fp4_experts_avx2(act_qdq ? xq : x, K, I, w1, s1, w3, s3, w2, s2, P, token, expert, weight, limit, act_qdq, h, out,
+                     threads);
+    for (int p = 0; p < P; p++) {
+        float *yr = y + (size_t)token[p] * K;
+        const float *o = out + (size_t)p * K;
+        for (int k = 0; k < K; k++) yr[k] += o[k];
+    }
+    free(xq), free(h), free(out);
     return 0;
 }

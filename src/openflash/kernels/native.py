@@ -92,6 +92,9 @@ def status() -> Status:
     for name in ("of_fp8_gemv", "of_fp4_gemv"):
         getattr(lib, name).argtypes = [f32, u8, u8, f32, i, i, i, i, i]
     lib.of_bf16_gemv.argtypes = [f32, u16, f32, i, i, i, i]
+    ptrs, i64 = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+    lib.of_fp4_experts.argtypes = [f32, i, i, i, ptrs, ptrs, ptrs, ptrs, ptrs, ptrs, i, i64, i64, f32, ctypes.c_float,
+                                   i, f32, i]
     return Status(lib, f"AVX2 kernels from {library_path()}")
 
 
@@ -177,6 +180,53 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op("openflash::fp4_experts", mutates_args=())
+def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
+                s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
+                expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
+    """The routed experts of one MoE layer in one call: for each pair p (int64 token[p] into x [T, K], expert[p]
+    into the lists, routing weight[p]), h = weight * silu(min(x W1^T, limit)) * clamp(x W3^T, -limit, limit), then
+    y[token] += h W2^T in pair order. The lists hold each expert's MXFP4 bytes and UE8M0 scales: w1, w3 [I, K/2],
+    s1, s3 [I, K/32], w2 [K, I/2], s2 [K, I/32]. act_qdq: FP8-QDQ x and h per 32 (the experts' input rounding).
+    Returns y [T, K] fp32."""
+    E, P = len(w1), token.numel()
+    K, I = x.shape[-1], (w1[0].shape[0] if w1 else 0)
+    problems = []
+    if x.dim() != 2 or x.dtype != torch.float32 or K % BLOCK or I % BLOCK or not E:
+        problems.append(f"x must be fp32 [T, K], K and the experts' width I multiples of {BLOCK}, got x {x.dtype} "
+                        f"{tuple(x.shape)}, I {I}, {E} experts")
+    if not all(len(t) == E for t in (s1, w3, s3, w2, s2)):
+        problems.append("every weight and scale list needs one tensor per expert")
+    shapes = {"w1": (w1, (I, K // 2)), "s1": (s1, (I, K // BLOCK)), "w3": (w3, (I, K // 2)),
+              "s3": (s3, (I, K // BLOCK)), "w2": (w2, (K, I // 2)), "s2": (s2, (K, I // BLOCK))}
+    for name, (tensors, shape) in shapes.items():
+        bad = next((t for t in tensors if tuple(t.shape) != shape or t.element_size() != 1 or not t.is_contiguous()),
+                   None)
+        if bad is not None:
+            problems.append(f"{name} holds a {bad.dtype} {tuple(bad.shape)} tensor, not contiguous bytes {shape}")
+    if token.dtype != torch.int64 or expert.dtype != torch.int64 or weight.dtype != torch.float32 or \
+            not token.shape == expert.shape == weight.shape == (P,) or not P:
+        problems.append("token, expert (int64) and weight (fp32) must be one value per pair")
+    elif int(token.min()) < 0 or int(token.max()) >= x.shape[0] or int(expert.min()) < 0 or int(expert.max()) >= E:
+        problems.append(f"a pair names a token outside 0..{x.shape[0] - 1} or an expert outside 0..{E - 1}")
+    if problems:
+        raise ValueError("of_fp4_experts: " + "; ".join(problems))
+    x, token, expert, weight = x.contiguous(), token.contiguous(), expert.contiguous(), weight.contiguous()
+    y = torch.zeros_like(x)
+    tables = [(ctypes.c_void_p * E)(*(t.data_ptr() for t in tensors)) for tensors, _ in shapes.values()]
+    _run("of_fp4_experts", x, _ptr(x, ctypes.c_float), x.shape[0], K, I, *tables, P, _ptr(token, ctypes.c_int64),
+         _ptr(expert, ctypes.c_int64), _ptr(weight, ctypes.c_float), limit, int(act_qdq), _ptr(y, ctypes.c_float),
+         torch.get_num_threads())
+    return y
+
+
+@fp4_experts.register_fake
+def _(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor], s3: list[torch.Tensor],
+      w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
+      limit: float, act_qdq: bool) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product of x [..., K] with this stored weight runs natively: kernels here, CPU tensors, a
     contiguous weight, at most MAX_ROWS rows, whole 32-blocks of K."""
@@ -184,4 +234,5 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() // x.shape[-1] <= MAX_ROWS and x.shape[-1] % BLOCK == 0 and status().available)
 
 
-__all__ = ["Status", "status", "build", "library_path", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "MAX_ROWS"]
+__all__ = ["Status", "status", "build", "library_path", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "fp4_experts",
+           "MAX_ROWS"]

@@ -18,6 +18,7 @@ from torch import nn
 
 from openflash import formats
 from openflash.config import FlashConfig
+from openflash.kernels import native as native_kernels
 from openflash.model import routed
 from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
@@ -162,9 +163,13 @@ class MoE(nn.Module, NumericsMixin):
         ctx.put(f"block{self.layer}.gate_indices", ids)
         ctx.put(f"block{self.layer}.gate_weights", weights)
         offloaded = self.offloaded
+        first = self.experts[0].w1
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
-                             fp32_experts=not offloaded and self.experts[0].w1.fp32_resident,
-                             adapted=any(e.w1.adapter is not None for e in self.experts))
+                             fp32_experts=not offloaded and first.fp32_resident,
+                             adapted=any(e.w1.adapter is not None for e in self.experts),
+                             native=not offloaded and first.storage == "fp4" and not first.fp32_resident
+                             and not torch.is_grad_enabled() and not self.numerics.bf16_boundaries
+                             and native_kernels.serves(x[:1], first.weight))
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
@@ -174,6 +179,8 @@ class MoE(nn.Module, NumericsMixin):
             self.expert_load += counts.to(self.expert_load.dtype)
         if path == "offloaded":
             y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), ctx.experts.combine, shared)
+        elif path == "native":
+            y = routed.native(x, weights, ids, self._native_experts, shared)
         elif path == "sorted":
             y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared, every=self.every_expert)
         elif path == "batched":
@@ -211,6 +218,17 @@ class MoE(nn.Module, NumericsMixin):
             raise ValueError(f"layer {self.layer}: this model was loaded without its routed experts; pass "
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
         return lambda ids: ctx.experts.experts(self.layer, ids)
+
+    def _native_experts(self, x: torch.Tensor, token: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                        active: list[int]) -> torch.Tensor:
+        """`routed.native`'s call: the active experts' stored FP4 bytes handed to the native kernels."""
+        def stored(name: str, part: str) -> list[torch.Tensor]:
+            return [formats.as_uint8(getattr(getattr(self.experts[e], name), part)) for e in active]
+
+        return native_kernels.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
+                                          stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),
+                                          stored("w2", "scale"), token, index, weight, self.experts[0].limit,
+                                          self.numerics.act_quant)
 
     def _stack(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fp32 w1, w3, w2 of experts `ids`, stacked [U, out, in]."""

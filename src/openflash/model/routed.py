@@ -1,4 +1,4 @@
-"""The routed experts' weighted sum of an MoE layer, five ways with one math (spec: §6.2).
+"""The routed experts' weighted sum of an MoE layer, six ways with one math (spec: §6.2).
 
     y = shared(x) + sum over k slots of  weight[n, k] * Expert_{ids[n, k]}(x[n])
 
@@ -12,6 +12,8 @@ pairs meet the experts' weights, which decides speed and what shapes depend on t
                compiled decode graph)
     sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
     offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
+    native     every pair in one call of the native kernels on the experts' stored FP4 bytes (decode-sized steps
+               of experts kept as stored: up to NATIVE_PAIRS pairs)
 
 `choose` picks one from the call's facts; tests/test_routed.py runs every path against `grouped` on the same
 inputs. The functions are pure: the MoE hands them its experts (callables) or their stacked weights.
@@ -25,9 +27,12 @@ import torch
 
 from openflash.model.numerics import Numerics
 
-ROUTED_PATHS = ("grouped", "batched", "gathered", "sorted", "offloaded")
+ROUTED_PATHS = ("grouped", "batched", "gathered", "sorted", "offloaded", "native")
 BATCHED_PAIRS = 256  # the most (token, slot) pairs a step runs batched (measured: benchmarks/moe_decode.py)
 OFFLOAD_CHUNK = 16  # experts fetched (and alive) at once from an ExpertSource
+# The native call computes each pair as a one-row product: past a few pairs an expert with several tokens is read
+# once per token, where `grouped` reads it once for all of them.
+NATIVE_PAIRS = 16
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [n, dim], weight [n]) -> [n, dim]
 # batched_swiglu with the expert's clamp, activation quantization and numerics bound: (x, weight, w1, w3, w2)
@@ -35,11 +40,11 @@ StackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp32_experts: bool,
-           adapted: bool = False) -> str:
+           adapted: bool = False, native: bool = False) -> str:
     """The path of one MoE call. static: a whole-step graph; offloaded: the experts come from an ExpertSource;
     pairs: the routed (token, slot) pairs; fp32_experts: the experts' fp32 weights are cached (stacking "stored"
     experts would materialise them all at once); adapted: the experts carry LoRA adapters, which only the paths
-    that call each expert apply."""
+    that call each expert apply; native: the native kernels serve these experts as stored (inference)."""
     if adapted:
         if static or offloaded:
             raise ValueError("LoRA adapters on routed experts need the experts in the model (not offloaded) and "
@@ -53,6 +58,8 @@ def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp3
         return "sorted"
     if numerics.batched_experts and pairs <= BATCHED_PAIRS and fp32_experts:
         return "batched"
+    if native and pairs <= NATIVE_PAIRS:
+        return "native"
     return "grouped"
 
 
@@ -123,6 +130,19 @@ def gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out.view(N, k, -1).sum(1) + shared
 
 
+def native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+           run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
+           shared: torch.Tensor) -> torch.Tensor:
+    """Every pair in one call: `run(x, pair token, pair's index into the active experts, pair weight, active expert
+    ids)` -> [N, dim], the pairs sorted by expert (ascending), so each token sums its experts in `grouped`'s order."""
+    k = ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    active, index = torch.unique(flat, return_inverse=True)
+    return run(x, torch.div(order, k, rounding_mode="floor"), index[order], weights.flatten()[order].float(),
+               active.tolist()) + shared
+
+
 def sorted_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                  experts: Sequence[ExpertFn], shared: torch.Tensor, every: bool = False) -> torch.Tensor:
     """One gather of the pairs sorted by expert, one contiguous slice per expert (experts[e] for every e), one
@@ -139,5 +159,5 @@ def sorted_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, coun
     return shared.index_add(0, token, torch.cat(outs).float())
 
 
-__all__ = ["ROUTED_PATHS", "BATCHED_PAIRS", "OFFLOAD_CHUNK", "choose", "grouped", "offloaded", "batched", "gathered",
-           "sorted_pairs"]
+__all__ = ["ROUTED_PATHS", "BATCHED_PAIRS", "OFFLOAD_CHUNK", "NATIVE_PAIRS", "choose", "grouped", "offloaded",
+           "batched", "gathered", "sorted_pairs", "native"]
