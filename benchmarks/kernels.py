@@ -1,12 +1,17 @@
 """The native products on stored weights (src/openflash/kernels/) at the released shapes, in GB/s of stored bytes
 read, against a read-bandwidth probe measured in the same run, with the PyTorch path they replace beside them.
 
-    python benchmarks/kernels.py [--rows 1 4 16] [--threads 2] [--out benchmarks/results/kernels.json]
+    python benchmarks/kernels.py [--rows 1 4 16] [--threads 2] [--moe-experts 48]
+                                 [--out benchmarks/results/kernels.json]
 
 Shapes (DeepSeek-V4.1-Flash): a routed expert's w1/w3 (5120 -> 2304) and w2 (2304 -> 5120) in MXFP4, the
 attention's wq_a (5120 -> 1280) and wo_b (8192 -> 5120) in FP8, the head (5120 -> 129280) in bf16. Each is cycled
 over enough copies to exceed the last-level cache, so every product reads its weight from RAM. The PyTorch path:
 `Linear` in "stored" residency with the kernels off (FP8 activation QDQ, then one dequantized fp32 tile at a time).
+
+A layer's routed experts (`--moe-experts E`, 0 to skip): E released-shape FP4 experts, each decode-sized step
+(1 or 2 tokens, 6 experts each, drawn at random) through one native call for the layer (model/routed.py `native`)
+against one call per expert and projection (`grouped`, the kernels still computing each product).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+from functools import partial
 import time
 from pathlib import Path
 
@@ -79,12 +85,57 @@ def time_products(lins: list[Linear], x: torch.Tensor, reps: int) -> float:
     return statistics.median(times)
 
 
+@torch.no_grad()
+def moe_layer(experts: int, tokens: list[int], reps: int, bandwidth: float, g: torch.Generator) -> list[dict]:
+    """Seconds per step of a layer's routed experts, one native call against one call per expert (module doc)."""
+    from openflash.config import load_config
+    from openflash.model import routed
+    from openflash.model.moe import MoE
+
+    cfg = load_config("flash").replace(n_routed_experts=experts)
+    moe = MoE(cfg, 0)
+    for expert in moe.experts:
+        for name in ("w1", "w2", "w3"):
+            lin = getattr(expert, name)
+            setattr(expert, name, stored_linear("fp4", lin.out_features, lin.in_features, g))
+    k, dim = cfg.num_experts_per_tok, cfg.hidden_size
+    per_expert = sum(stored_bytes(getattr(moe.experts[0], n)) for n in ("w1", "w2", "w3"))
+    out = []
+    for t in tokens:
+        x = torch.randn(t, dim, generator=g)
+        steps = [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]) for _ in range(reps)]
+        weights = torch.full((t, k), 1.0 / k)
+        shared = torch.zeros(t, dim)
+        timed = {}
+        run = partial(moe._native_experts, lambda chosen: {e: moe.experts[e] for e in chosen})
+        for path in ("grouped", "native"):
+            times = []
+            for ids in steps:
+                start = time.perf_counter()
+                if path == "native":
+                    routed.native(x, weights, ids, run, lambda y: y, shared)
+                else:
+                    routed.grouped(x, weights, ids, {int(e): moe.experts[int(e)] for e in ids.unique()}, shared)
+                times.append(time.perf_counter() - start)
+            timed[path] = statistics.median(times[1:])
+        nbytes = per_expert * len({int(e) for e in steps[0].flatten()})
+        row = {"moe_tokens": t, "experts_per_token": k, "experts": experts, "grouped_ms": 1e3 * timed["grouped"],
+               "native_ms": 1e3 * timed["native"], "native_of_bandwidth": nbytes / timed["native"] / bandwidth,
+               "speedup": timed["grouped"] / timed["native"]}
+        out.append(row)
+        print(f"MoE layer, {t} token(s) x {k} experts of {experts}: one call per expert {row['grouped_ms']:.2f} ms, "
+              f"one call for the layer {row['native_ms']:.2f} ms (x{row['speedup']:.2f}; "
+              f"{100 * row['native_of_bandwidth']:.0f}% of the probe)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16], help="activation rows (none: skip the shapes)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pytorch-rows", type=int, nargs="*", default=[1], help="rows the PyTorch path is timed at")
+    ap.add_argument("--moe-experts", type=int, default=48, help="experts of the layer timed (0: skip)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = ap.parse_args()
     if not native.status().available:
@@ -94,7 +145,7 @@ def main() -> None:
     print(f"{args.threads} threads; read probe {bandwidth / 1e9:.1f} GB/s; {native.status().reason}", flush=True)
     g = torch.Generator().manual_seed(0)
     rows_out = []
-    for name, fmt, n, k in SHAPES:
+    for name, fmt, n, k in SHAPES if args.rows else []:
         first = stored_linear(fmt, n, k, g)
         copies = max(2, WORKING_SET // stored_bytes(first))
         lins = [first] + [stored_linear(fmt, n, k, g) for _ in range(copies - 1)]
@@ -121,6 +172,8 @@ def main() -> None:
                   + (f"; PyTorch path {row['pytorch_ms']:8.2f} ms (x{row['speedup']:.0f})" if "pytorch_ms" in row
                      else ""), flush=True)
         del lins
+    if args.moe_experts:
+        rows_out += moe_layer(args.moe_experts, [1, 2], max(args.reps, 8), bandwidth, g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": args.threads, "read_bandwidth": bandwidth,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "results": rows_out}, indent=1))

@@ -34,6 +34,7 @@ import torch
 from openflash.checkpoint import load_checkpoint, resident_bytes
 from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
+from openflash.model import routed
 from openflash.model.layers import Linear
 from openflash.runtime import Runtime
 from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
@@ -70,7 +71,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (smoke tests only)")
     ap.add_argument("--delete", action="store_true", help="delete the checkpoint afterwards")
+    ap.add_argument("--per-expert-calls", action="store_true",
+                    help="the routed experts one native call per expert and projection, not one per layer (A/B)")
+    ap.add_argument("--out", default=str(RESULTS / "released_width.json"))
     args = ap.parse_args()
+    if args.per_expert_calls:
+        routed.NATIVE_PAIRS = 0  # no step takes the one-call-per-layer path
     torch.set_num_threads(os.cpu_count() or 1)
 
     ram = mem_total()
@@ -129,7 +135,7 @@ def main() -> None:
     roofline_s = linear_bytes / bw_ram + expert_bytes / bw_disk + row_bytes / bw_disk
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {
-        "layers": layers, "ram_bytes": ram, "checkpoint_bytes_on_disk": on_disk, "budget_bytes": budget,
+        "routed_experts": "one call per expert" if args.per_expert_calls else "one call per layer", "layers": layers, "ram_bytes": ram, "checkpoint_bytes_on_disk": on_disk, "budget_bytes": budget,
         "expert_cache_bytes": cache, "peak_rss_bytes": rss, "within_budget": rss <= budget,
         "ram_bandwidth": bw_ram, "disk_bandwidth": bw_disk, "prefill_tokens": ids.shape[1],
         "prefill_seconds": prefill_s, "decode_tokens": args.tokens,
@@ -144,7 +150,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=1, default=str))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "released_width.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     store.close()
     if args.delete:
         shutil.rmtree(folder)

@@ -47,7 +47,8 @@ def _paths(moe: MoE, x, weights, ids, counts, shared) -> dict[str, torch.Tensor]
     every = {e: moe.experts[e] for e in range(moe.n_experts)}
     stack = lambda chosen: tuple(torch.stack([getattr(moe.experts[e], name).dequantized_weight() for e in chosen])  # noqa: E731
                                  for name in ("w1", "w3", "w2"))
-    paths = {"native": routed.native(x, weights, ids, moe._native_experts, shared)} \
+    in_model = functools.partial(moe._native_experts, lambda chosen: {e: every[e] for e in chosen})
+    paths = {"native": routed.native(x, weights, ids, in_model, lambda y: y, shared)} \
         if first.w1.storage == "fp4" and native.status().available else {}
     return paths | {
         "batched": routed.batched(x, weights, ids, counts, stack, swiglu, shared),
@@ -91,3 +92,5 @@ def test_choose_takes_the_calls_facts():
     stored = {**step, "fp32_experts": False, "native": True}  # FP4 experts kept as stored, kernels here
     assert routed.choose(FP32, **stored) == "native"
     assert routed.choose(FP32, **{**stored, "pairs": routed.NATIVE_PAIRS + 1}) == "grouped"
+    assert routed.choose(FP32, **{**stored, "offloaded": True}) == "native"  # from an ExpertSource too
+    assert routed.choose(FP32, **{**stored, "offloaded": True, "pairs": routed.NATIVE_PAIRS + 1}) == "offloaded"

@@ -9,7 +9,7 @@ scaled by `routed_scaling_factor`. The bias is not learned by gradient: training
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -164,12 +164,12 @@ class MoE(nn.Module, NumericsMixin):
         ctx.put(f"block{self.layer}.gate_weights", weights)
         offloaded = self.offloaded
         first = self.experts[0].w1
+        # The native call: FP4 experts as stored (an ExpertSource's always are), inference, fp32 arithmetic.
+        native = first.storage == "fp4" and (offloaded or not first.fp32_resident) and not torch.is_grad_enabled() \
+            and not self.numerics.bf16_boundaries and x.device.type == "cpu" and native_kernels.status().available
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
                              fp32_experts=not offloaded and first.fp32_resident,
-                             adapted=any(e.w1.adapter is not None for e in self.experts),
-                             native=not offloaded and first.storage == "fp4" and not first.fp32_resident
-                             and not torch.is_grad_enabled() and not self.numerics.bf16_boundaries
-                             and native_kernels.serves(x[:1], first.weight))
+                             adapted=any(e.w1.adapter is not None for e in self.experts), native=native)
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
@@ -180,7 +180,9 @@ class MoE(nn.Module, NumericsMixin):
         if path == "offloaded":
             y = routed.offloaded(x, weights, ids, counts, self._fetch(ctx), ctx.experts.combine, shared)
         elif path == "native":
-            y = routed.native(x, weights, ids, self._native_experts, shared)
+            fetch = self._fetch(ctx) if offloaded else (lambda chosen: {e: self.experts[e] for e in chosen})
+            y = routed.native(x, weights, ids, partial(self._native_experts, fetch),
+                              ctx.experts.combine if offloaded else (lambda routed_sum: routed_sum), shared)
         elif path == "sorted":
             y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared, every=self.every_expert)
         elif path == "batched":
@@ -219,11 +221,24 @@ class MoE(nn.Module, NumericsMixin):
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
         return lambda ids: ctx.experts.experts(self.layer, ids)
 
-    def _native_experts(self, x: torch.Tensor, token: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+    def _native_experts(self, fetch: Callable[[list[int]], Mapping[int, "Expert"]], x: torch.Tensor,
+                        token: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                         active: list[int]) -> torch.Tensor:
-        """`routed.native`'s call: the active experts' stored FP4 bytes handed to the native kernels."""
+        """`routed.native`'s call: the active experts' stored FP4 bytes handed to the native kernels. `fetch` gives
+        the experts (this process's share of them, under expert parallelism: the pairs of the others are left out)."""
+        experts = fetch(active)
+        held = [i for i, e in enumerate(active) if e in experts]
+        if len(held) < len(active):
+            keep = torch.isin(index, torch.tensor(held, dtype=index.dtype))
+            if not bool(keep.any()):
+                return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            renumber = torch.full((len(active),), -1, dtype=index.dtype)
+            renumber[held] = torch.arange(len(held), dtype=index.dtype)
+            token, index, weight = token[keep], renumber[index[keep]], weight[keep]
+        mine = [experts[active[i]] for i in held]
+
         def stored(name: str, part: str) -> list[torch.Tensor]:
-            return [formats.as_uint8(getattr(getattr(self.experts[e], name), part)) for e in active]
+            return [formats.as_uint8(getattr(getattr(e, name), part)) for e in mine]
 
         return native_kernels.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
                                           stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),

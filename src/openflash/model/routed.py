@@ -13,7 +13,7 @@ pairs meet the experts' weights, which decides speed and what shapes depend on t
     sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
     offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
     native     every pair in one call of the native kernels on the experts' stored FP4 bytes (decode-sized steps
-               of experts kept as stored: up to NATIVE_PAIRS pairs)
+               of experts kept as stored, in the model or from an ExpertSource: up to NATIVE_PAIRS pairs)
 
 `choose` picks one from the call's facts; tests/test_routed.py runs every path against `grouped` on the same
 inputs. The functions are pure: the MoE hands them its experts (callables) or their stacked weights.
@@ -53,7 +53,7 @@ def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp3
     if static:
         return "gathered"
     if offloaded:
-        return "offloaded"
+        return "native" if native and pairs <= NATIVE_PAIRS else "offloaded"
     if numerics.fused_train_ops:
         return "sorted"
     if numerics.batched_experts and pairs <= BATCHED_PAIRS and fp32_experts:
@@ -132,15 +132,16 @@ def gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 def native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
            run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
-           shared: torch.Tensor) -> torch.Tensor:
+           combine: Callable[[torch.Tensor], torch.Tensor], shared: torch.Tensor) -> torch.Tensor:
     """Every pair in one call: `run(x, pair token, pair's index into the active experts, pair weight, active expert
-    ids)` -> [N, dim], the pairs sorted by expert (ascending), so each token sums its experts in `grouped`'s order."""
+    ids)` -> [N, dim], the pairs sorted by expert (ascending), so each token sums its experts in `grouped`'s order;
+    `combine` sums the processes' shares (experts from an ExpertSource, as `offloaded`)."""
     k = ids.shape[1]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     active, index = torch.unique(flat, return_inverse=True)
-    return run(x, torch.div(order, k, rounding_mode="floor"), index[order], weights.flatten()[order].float(),
-               active.tolist()) + shared
+    return combine(run(x, torch.div(order, k, rounding_mode="floor"), index[order], weights.flatten()[order].float(),
+                       active.tolist())) + shared
 
 
 def sorted_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
