@@ -135,7 +135,8 @@ def main() -> None:
     roofline_s = linear_bytes / bw_ram + expert_bytes / bw_disk + row_bytes / bw_disk
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {
-        "routed_experts": "one call per expert" if args.per_expert_calls else "one call per layer", "layers": layers, "ram_bytes": ram, "checkpoint_bytes_on_disk": on_disk, "budget_bytes": budget,
+        "routed_experts": "one call per expert" if args.per_expert_calls else "one call per layer",
+        "layers": layers, "ram_bytes": ram, "checkpoint_bytes_on_disk": on_disk, "budget_bytes": budget,
         "expert_cache_bytes": cache, "peak_rss_bytes": rss, "within_budget": rss <= budget,
         "ram_bandwidth": bw_ram, "disk_bandwidth": bw_disk, "prefill_tokens": ids.shape[1],
         "prefill_seconds": prefill_s, "decode_tokens": args.tokens,
