@@ -12,7 +12,8 @@ import torch
 from openflash import formats
 from openflash.checkpoint import load_checkpoint
 from openflash.model.layers import Linear
-from openflash.model.lora import LoRA, add_lora
+from openflash.model.adapters import add_lora
+from openflash.model.lora import LoRA
 from openflash.model.moe import MoE
 from openflash.model.numerics import FINETUNE, FP32
 from openflash.runtime import Runtime

@@ -16,7 +16,6 @@ tokens of each adapter separately (`AdapterSelection.groups`), so an expert's li
 from __future__ import annotations
 
 import math
-import re
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
@@ -46,22 +45,9 @@ class LoRA(nn.Module):
         return (x.float() @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None,
-             targets: tuple[str, ...] = DEFAULT_TARGETS) -> list[str]:
-    """Attach a fresh adapter to every Linear whose name matches one of `targets` (regular expressions) and freeze
-    every other parameter; returns the adapted names. alpha defaults to 2 * rank."""
-    patterns = [re.compile(t) for t in targets]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    adapted = []
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and any(p.search(name) for p in patterns):
-            module.adapter = LoRA(module.in_features, module.out_features, rank,
-                                  float(2 * rank if alpha is None else alpha)).to(module.weight.device)
-            adapted.append(name)
-    if not adapted:
-        raise ValueError(f"no linear matches the LoRA targets {list(targets)}")
-    return adapted
+def lora_alpha(rank: int, alpha: float | None) -> float:
+    """An adapter's alpha: as given, else 2 x its rank."""
+    return float(2 * rank if alpha is None else alpha)
 
 
 def adapter_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -159,5 +145,5 @@ class LoRABank(nn.Module):
         return y.view(*x.shape[:-1], out_features)
 
 
-__all__ = ["LoRA", "LoRABank", "AdapterSelection", "BASE", "add_lora", "adapter_weights",
+__all__ = ["LoRA", "LoRABank", "AdapterSelection", "BASE", "lora_alpha", "adapter_weights",
            "lora_delta", "DEFAULT_TARGETS"]

@@ -133,8 +133,9 @@ class MoE(nn.Module, NumericsMixin):
         self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stacked_key: tuple | None = None
         self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
-        # Served adapters (model/lora.py attach_adapters): which adapter each token uses; None without banks.
+        # Served adapters (model/adapters.py attach_adapters): which adapter each token uses; None without banks.
         self.adapters: AdapterSelection | None = None
+        self.adapted = False  # its routed experts carry LoRA adapters (model/adapters.py sets it)
         self._count_load = True  # training counts each step's routed tokens (off while a checkpoint reruns it)
         self.every_expert = False  # training sharded over ranks (train/sharded.py): call experts without tokens too
 
@@ -169,7 +170,7 @@ class MoE(nn.Module, NumericsMixin):
             and not self.numerics.bf16_boundaries and x.device.type == "cpu" and native_kernels.status().available
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
                              fp32_experts=not offloaded and first.fp32_resident,
-                             adapted=any(e.w1.adapter is not None for e in self.experts), native=native)
+                             adapted=self.adapted, native=native)
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)

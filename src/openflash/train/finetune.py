@@ -27,7 +27,8 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
-from openflash.model.lora import DEFAULT_TARGETS, LoRA, add_lora
+from openflash.model.adapters import add_lora
+from openflash.model.lora import DEFAULT_TARGETS, LoRA
 from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
 from openflash.runtime import Runtime

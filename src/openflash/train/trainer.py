@@ -49,7 +49,7 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.engram_table import DeviceTable
-from openflash.model.lora import adapter_weights
+from openflash.model.lora import adapter_weights, lora_alpha
 from openflash.model.numerics import TRAIN
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
@@ -501,8 +501,8 @@ class Trainer:
 
         def write(folder: Path) -> None:
             if self.cfg.lora is not None:
-                write_adapter(folder, adapters, self.cfg.lora,
-                              float(self.cfg.lora_alpha or 2 * self.cfg.lora), self.cfg.init)
+                write_adapter(folder, adapters, self.cfg.lora, lora_alpha(self.cfg.lora, self.cfg.lora_alpha),
+                              self.cfg.init)
                 if self.trained_rows:
                     write_engram_rows(folder, {n: r.state_dict() for n, r in self.trained_rows.items()})
                 shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
