@@ -44,6 +44,7 @@ from openflash.engine.runner import PREFILL_MODES, ChunkTask, ModelRunner, Model
 from openflash.engine.sampling import SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import EngramTableError, OpenflashError, RequestError
+from openflash.model.lora import BASE
 from openflash.model.transformer import Transformer
 from openflash.vision.prompt import PromptImage, check_spans
 
@@ -249,8 +250,7 @@ class LLMEngine:
             if not params.greedy and params.seed is None:  # every rank must draw the same tokens
                 params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         seq = self._sequence(RequestSpec(request_id or uuid.uuid4().hex, ids, params,
-                                         None if ignore_eos else self.cfg.eos_token_id, list(images), slot,
-                                         self.runtime.adapter_keys[slot] if slot >= 0 else 0), on_output)
+                                         None if ignore_eos else self.cfg.eos_token_id, list(images), slot), on_output)
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down and takes no new requests")
@@ -260,11 +260,11 @@ class LLMEngine:
             self._lock.notify()
         return seq
 
-    @staticmethod
-    def _sequence(spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
+    def _sequence(self, spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
+        key = self.runtime.adapter_keys[spec.adapter] if spec.adapter != BASE else 0
         return Sequence(spec.request_id, spec.prompt_ids, spec.params, SamplerState.create(spec.params),
                         eos_token_id=spec.eos_token_id, on_output=on_output, images=list(spec.images),
-                        adapter=spec.adapter, adapter_key=spec.adapter_key)
+                        adapter=spec.adapter, adapter_key=key)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its state is freed at the start of the next step."""

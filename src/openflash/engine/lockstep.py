@@ -41,12 +41,10 @@ class RequestSpec:
     eos_token_id: int | None
     images: list[PromptImage] = field(default_factory=list)
     adapter: int = BASE  # LoRA adapter slot (none)
-    adapter_key: int = 0
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestSpec":
-        return cls(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images, seq.adapter,
-                   seq.adapter_key)
+        return cls(seq.request_id, seq.prompt_ids, seq.params, seq.eos_token_id, seq.images, seq.adapter)
 
 
 @dataclass

@@ -124,14 +124,14 @@ class LoRABank(nn.Module):
                  scalings: list[float]) -> None:
         super().__init__()
         self.selection, self.pairs, self.scalings = selection, pairs, scalings
+        self.out_features = next(p[1].shape[0] for p in pairs if p is not None)
 
     def _one(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
         pair = self.pairs[slot] if slot != BASE else None
         return None if pair is None else (x.float() @ pair[0].t() @ pair[1].t()) * self.scalings[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        out_features = next(p[1].shape[0] for p in self.pairs if p is not None)
+        x2, out_features = x.reshape(-1, x.shape[-1]), self.out_features
         slots = self.selection.current(x2.shape[0])
         if isinstance(slots, int):
             y = self._one(x2, slots)
