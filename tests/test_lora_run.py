@@ -197,3 +197,19 @@ def test_train_engram_updates_only_the_rows_batches_touch(tuned, tmp_path, capsy
     untouched = torch.ones(merged.num_rows, dtype=torch.bool)
     untouched[rows.rows] = False
     assert torch.equal(formats.as_uint8(merged.weight)[untouched], formats.as_uint8(stored[name])[untouched])
+
+
+def test_bad_lora_arguments_are_named():
+    from openflash.commands.run import lora_modules
+
+    assert lora_modules(["a=x", "b=y"], "base") == {"a": "x", "b": "y"}
+    with pytest.raises(OpenflashError, match=r"--lora 'bad': expected NAME=PATH"):
+        lora_modules(["bad"], "base")
+    with pytest.raises(OpenflashError, match=r"--lora 'base=x': the name 'base' is taken"):
+        lora_modules(["base=x"], "base")
+    with pytest.raises(OpenflashError, match=r"--lora \(the adapter rank\) must be >= 1, got 0"):
+        TrainConfig(data="d", out="o", init="i", lora=0)
+    with pytest.raises(OpenflashError, match="--lora trains adapters on a model: give it with --init MODEL"):
+        TrainConfig(data="d", out="o", lora=4)
+    with pytest.raises(OpenflashError, match="--checkpoint-activations reruns the eager blocks"):
+        TrainConfig(data="d", out="o", compile=True, checkpoint_activations=True)
