@@ -1,6 +1,7 @@
 """The native products on stored weights (kernels/) against their oracle, the PyTorch path: dequantize, then an
 fp32 matmul (after the FP8 activation QDQ where the call asks for it). Never bitwise: the kernels sum in another
-order (8 lanes, then a horizontal sum)."""
+order (lanes, then a horizontal sum). The products run twice: with the best instruction set this CPU has
+(AVX-512 BF16 where present) and kept to AVX2, the baseline a machine without AVX-512 runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ pytestmark = pytest.mark.skipif(not native.status().available, reason=f"no nativ
 
 E4M3_CODES = [c for c in range(256) if c & 0x7F != 0x7F]  # every code but the two NaNs (never a weight)
 EXTREME_SCALES = [0, 1, 2, 100, 126, 127, 128, 160, 200]  # UE8M0 bytes: 2^-127 (subnormal) .. 2^73
+
+
+@pytest.fixture(params=["best", "avx2"])
+def isa(request, monkeypatch):
+    """The instruction set the products use (OPENFLASH_KERNELS; status() is read again under it)."""
+    monkeypatch.setenv("OPENFLASH_KERNELS", "1" if request.param == "best" else "avx2")
+    native.status.cache_clear()
+    yield request.param
+    native.status.cache_clear()  # monkeypatch restores the variable after this: the next status() reads it afresh
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -39,7 +49,7 @@ def _fp4_weight(n: int, k: int, g: torch.Generator, scales=EXTREME_SCALES) -> tu
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("n, k", [(37, 32), (70, 160), (256, 96)])
 @pytest.mark.parametrize("act_qdq", [False, True])
-def test_fp8_and_fp4_products_equal_the_dequantized_matmul(rows, n, k, act_qdq):
+def test_fp8_and_fp4_products_equal_the_dequantized_matmul(rows, n, k, act_qdq, isa):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, k)  # magnitudes across many FP8 activation scales
     xin = formats.act_quant_qdq(x) if act_qdq else x
@@ -49,16 +59,17 @@ def test_fp8_and_fp4_products_equal_the_dequantized_matmul(rows, n, k, act_qdq):
     _close(native.fp4_gemv(x, packed, s4, act_qdq), xin @ formats.dequantize_mxfp4(packed, s4).t())
 
 
-def test_every_code_decodes_as_the_format_says():
+@pytest.mark.parametrize("act_qdq", [False, True])  # a one-hot row is its own QDQ; True takes the bf16 decoders
+def test_every_code_decodes_as_the_format_says(act_qdq, isa):
     """A one-hot activation reads single weights back: every E4M3 code and every E2M1 nibble, at unit scale."""
     k = 32 * 16
     codes = torch.tensor(E4M3_CODES + [0] * (k - len(E4M3_CODES)), dtype=torch.uint8).view(1, k)
     unit = torch.full((1, k // 32), 127, dtype=torch.uint8)
     eye = torch.eye(k)[: len(E4M3_CODES)]
-    got = torch.cat([native.fp8_gemv(eye[i:i + 16], codes, unit, False) for i in range(0, len(eye), 16)])
+    got = torch.cat([native.fp8_gemv(eye[i:i + 16], codes, unit, act_qdq) for i in range(0, len(eye), 16)])
     assert torch.equal(got[:, 0], formats.e4m3_decode(codes[0, : len(E4M3_CODES)]))
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 256)  # every (low, high) nibble pair
-    got = torch.cat([native.fp4_gemv(torch.eye(512)[i:i + 16], packed, unit, False) for i in range(0, 512, 16)])
+    got = torch.cat([native.fp4_gemv(torch.eye(512)[i:i + 16], packed, unit, act_qdq) for i in range(0, 512, 16)])
     assert torch.equal(got[:, 0], formats.dequantize_mxfp4(packed, unit)[0])
 
 
@@ -72,7 +83,7 @@ def test_bf16_products_and_rows_not_divisible_by_the_vector_width():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_and_two_threads_agree(threads):
+def test_one_and_two_threads_agree(threads, isa):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 256, generator=g)
     packed, s4 = _fp4_weight(300, 256, g, scales=[120, 127, 130])
@@ -180,3 +191,42 @@ def test_the_experts_call_names_bad_arguments():
                            **{**pair, "expert": torch.tensor([1])})
     with pytest.raises(ValueError, match=r"w2 holds a torch.uint8 \(64, 16\) tensor, not contiguous bytes \(64, 32\)"):
         native.fp4_experts(torch.randn(1, 64), [w1], [s1], [w1], [s1], [w2[:, :16]], [s2], **pair)
+
+
+@pytest.mark.parametrize("act_qdq", [False, True])
+def test_the_experts_call_equals_the_dequantized_experts(act_qdq, isa):
+    """All routed experts of a layer in one call against the formula on dequantized weights: K = 96 (three
+    32-groups, an odd count the AVX-512 decoder pairs up), I = 64, tokens routed to several experts each."""
+    g = torch.Generator().manual_seed(7)
+    K, I, E, limit = 96, 64, 3, 7.0
+    w1, s1 = zip(*(_fp4_weight(I, K, g, scales=[120, 124, 127]) for _ in range(E)))
+    w3, s3 = zip(*(_fp4_weight(I, K, g, scales=[120, 124, 127]) for _ in range(E)))
+    w2, s2 = zip(*(_fp4_weight(K, I, g, scales=[120, 124, 127]) for _ in range(E)))
+    x = torch.randn(2, K, generator=g) * 4
+    token, expert = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 2])
+    weight = torch.rand(4, generator=g)
+    got = native.fp4_experts(x, list(w1), list(s1), list(w3), list(s3), list(w2), list(s2), token, expert, weight,
+                             limit, act_qdq)
+    qdq = formats.act_quant_qdq if act_qdq else (lambda t: t)
+    want = torch.zeros_like(x)
+    for t, e, r in zip(token.tolist(), expert.tolist(), weight):
+        xe = qdq(x[t:t + 1])
+        gate = (xe @ formats.dequantize_mxfp4(w1[e], s1[e]).t()).clamp(max=limit)
+        up = (xe @ formats.dequantize_mxfp4(w3[e], s3[e]).t()).clamp(-limit, limit)
+        h = qdq(r * torch.nn.functional.silu(gate) * up)
+        want[t] += (h @ formats.dequantize_mxfp4(w2[e], s2[e]).t())[0]
+    _close(got, want)
+
+
+def test_the_kernel_choice_is_named(monkeypatch):
+    monkeypatch.setenv("OPENFLASH_KERNELS", "avx2")
+    native.status.cache_clear()
+    try:
+        assert native.status().isa == native.ISA_AVX2 and native.status().reason.startswith("AVX2 kernels")
+        monkeypatch.setenv("OPENFLASH_KERNELS", "fast")
+        native.status.cache_clear()
+        with pytest.raises(ValueError, match="OPENFLASH_KERNELS='fast': expected 0 \\(off\\), avx2 or 1"):
+            native.status()
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()

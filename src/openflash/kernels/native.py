@@ -1,13 +1,15 @@
-"""Native products on weights as stored (kernels/gemv.c): build, load, and the torch custom ops that call them.
+"""Native products on weights as stored (kernels/*.c): build, load, and the torch custom ops that call them.
 
-The C file is compiled once per source version with the system C compiler (the gcc `--compile` needs as well) into
-the cache folder ($OPENFLASH_CACHE/kernels, else ~/.cache/openflash/kernels): by `make setup`
-(`python -m openflash.kernels build`) or at first use, and loaded with ctypes. Its AVX2 + FMA + F16C code is chosen
-at run time on the CPU's flags. The ops are torch custom ops with fake implementations, so a traced graph calls
-them as single nodes. Where the library cannot be built, or the CPU lacks those flags, `status()` says why and
-`model/layers.py` keeps its PyTorch path, which is also what every kernel test compares against.
+The C files are compiled once per source version with the system C compiler (the gcc `--compile` needs as well)
+into the cache folder ($OPENFLASH_CACHE/kernels, else ~/.cache/openflash/kernels): by `make setup`
+(`python -m openflash.kernels`) or at first use, and loaded with ctypes. The instruction set is chosen once, at
+run time, on the CPU's flags: AVX-512 with its bf16 dot product (avx512.c) where the CPU has it, else AVX2 + FMA +
+F16C (avx2.c); OPENFLASH_KERNELS=avx2 keeps to the second, OPENFLASH_KERNELS=0 turns the kernels off. The ops are
+torch custom ops with fake implementations, so a traced graph calls them as single nodes. Where the library cannot
+be built, or the CPU lacks AVX2, `status()` says why and `model/layers.py` keeps its PyTorch path, which is also
+what every kernel test compares against.
 
-Results equal dequantize-then-fp32-matmul to fp32 summation order (8 lanes, then a horizontal sum).
+Results equal dequantize-then-fp32-matmul to fp32 summation order (lanes, then a horizontal sum).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from openflash.files.cache import cache_dir
 
 log = logging.getLogger("openflash.kernels")
 
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "activations.c", "avx2.c", "avx512.c")]
+HEADER = Path(__file__).with_name("kernels.h")
+ISA_AVX2, ISA_AVX512_BF16 = 1, 2  # kernels.h: of_cpu_features() bits, the `isa` argument of the entry points
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 MAX_ROWS = 16  # activation rows per call (decode, batched decode, speculative verification)
 BLOCK = 32
@@ -41,6 +45,7 @@ class Status:
 
     library: ctypes.CDLL | None
     reason: str  # what was loaded, or why nothing was
+    isa: int = 0  # the instruction sets the products may use (ISA_* bits)
 
     @property
     def available(self) -> bool:
@@ -49,7 +54,8 @@ class Status:
 
 def library_path() -> Path:
     """Where this source version's library lives (its name carries the hash of the source and flags)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"libopenflash_gemv-{digest}.so"
 
 
@@ -65,9 +71,10 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: parallel builds race
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], capture_output=True,
+                              text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on the kernels: {done.stderr.strip()[-2000:]}")
         os.replace(out, target)
     log.info("built the native kernels: %s", target)
     return target
@@ -75,8 +82,12 @@ def build() -> Path:
 
 @lru_cache(maxsize=None)
 def status() -> Status:
-    """The loaded library, built first if needed (once per process), or why there is none."""
-    if os.environ.get("OPENFLASH_KERNELS", "1") == "0":
+    """The loaded library, built first if needed (once per process), and the instruction sets it may use; or why
+    there is none. OPENFLASH_KERNELS: 0 (off), avx2 (no AVX-512 even where the CPU has it), 1 or unset (the best)."""
+    choice = os.environ.get("OPENFLASH_KERNELS", "1")
+    if choice not in ("0", "1", "avx2"):
+        raise ValueError(f"OPENFLASH_KERNELS={choice!r}: expected 0 (off), avx2 or 1 (the best this CPU has)")
+    if choice == "0":
         return Status(None, "turned off by OPENFLASH_KERNELS=0")
     if not (torch.backends.cpu.get_cpu_capability() or "").startswith(("AVX2", "AVX512")):
         return Status(None, f"this CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()!r})")
@@ -85,21 +96,19 @@ def status() -> Status:
     except (RuntimeError, OSError) as exc:
         log.warning("native kernels unavailable, stored weights use the PyTorch path: %s", exc)
         return Status(None, str(exc))
-    if not lib.of_cpu_supported():
+    features = lib.of_cpu_features()
+    if not features & ISA_AVX2:
         return Status(None, "this CPU lacks AVX2, FMA or F16C")
-    f32, u8, u16, i = (ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8),
-                       ctypes.POINTER(ctypes.c_uint16), ctypes.c_int)
+    p, i = ctypes.c_void_p, ctypes.c_int  # tensors pass their data_ptr(): ctypes.cast costs a microsecond a pointer
     for name in ("of_fp8_gemv", "of_fp4_gemv"):
-        getattr(lib, name).argtypes = [f32, u8, u8, f32, i, i, i, i, i]
-    lib.of_bf16_gemv.argtypes = [f32, u16, f32, i, i, i, i]
-    ptrs, i64 = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
-    lib.of_fp4_experts.argtypes = [f32, i, i, i, ptrs, ptrs, ptrs, ptrs, ptrs, ptrs, i, i64, i64, f32, ctypes.c_float,
-                                   i, f32, i]
-    return Status(lib, f"AVX2 kernels from {library_path()}")
-
-
-def _ptr(t: torch.Tensor, kind: type) -> ctypes.c_void_p:
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(kind))
+        getattr(lib, name).argtypes = [p, p, p, p, i, i, i, i, i, i]
+    lib.of_bf16_gemv.argtypes = [p, p, p, i, i, i, i]
+    ptrs = ctypes.POINTER(ctypes.c_void_p)
+    lib.of_fp4_experts.argtypes = [p, i, i, i, ptrs, ptrs, ptrs, ptrs, ptrs, ptrs, i, p, p, p, ctypes.c_float, i, i,
+                                   p, i]
+    isa = features if choice == "1" else ISA_AVX2
+    names = "AVX-512 BF16 (FP8/FP4 after the activation QDQ) and AVX2" if isa & ISA_AVX512_BF16 else "AVX2"
+    return Status(lib, f"{names} kernels from {library_path()}", isa)
 
 
 def _run(name: str, x: torch.Tensor, *args) -> None:
@@ -108,7 +117,8 @@ def _run(name: str, x: torch.Tensor, *args) -> None:
         raise RuntimeError(f"{name} refused its arguments (code {code}): x {tuple(x.shape)}")
 
 
-# ---- the custom ops ----------------------------------------------------------------------------------------------
+# ---- the products: torch custom ops inside a traced graph, the calls themselves in eager mode (the dispatcher
+# costs some 20 us a call, which a decode step of hundreds of products would pay) ---------------------------------
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, codes_per_byte: int,
            scale_rows: int) -> None:
@@ -135,52 +145,50 @@ def _quantized(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     _check(name, x, weight, scale, 2 if name == "of_fp4_gemv" else 1, n if name == "of_fp4_gemv" else -(-n // BLOCK))
     x = x.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
-    _run(name, x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint8), _ptr(scale, ctypes.c_uint8),
-         _ptr(y, ctypes.c_float), x.shape[0], weight.shape[0], x.shape[1], int(act_qdq), torch.get_num_threads())
+    _run(name, x, x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+         x.shape[1], int(act_qdq), status().isa, torch.get_num_threads())
     return y
 
 
-@torch.library.custom_op("openflash::fp8_gemv", mutates_args=())
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    """x [R, K] fp32 (R <= 16) times an FP8 E4M3 weight [N, K] (its bytes) with UE8M0 scales per 32 x 32 block
-    [ceil(N/32), K/32]; act_qdq: FP8-QDQ x per 32 channels first. Returns [R, N] fp32."""
-    return _quantized("of_fp8_gemv", x, weight, scale, act_qdq)
-
-
-@torch.library.custom_op("openflash::fp4_gemv", mutates_args=())
-def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
-    with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
-    return _quantized("of_fp4_gemv", x, weight, scale, act_qdq)
-
-
-@fp8_gemv.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-fp4_gemv.register_fake(_)
-
-
-@torch.library.custom_op("openflash::bf16_gemv", mutates_args=())
-def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [R, K] fp32 (R <= 16) times a bf16 weight [N, K]. Returns [R, N] fp32."""
+def _bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check("of_bf16_gemv", x, weight, None, 1, 0)
     x = x.contiguous()
     R, K = x.shape
     N = weight.shape[0]
     y = x.new_empty(R, N)
-    _run("of_bf16_gemv", x, _ptr(x, ctypes.c_float), _ptr(weight, ctypes.c_uint16), _ptr(y, ctypes.c_float), R, N, K,
-         torch.get_num_threads())
+    _run("of_bf16_gemv", x, x.data_ptr(), weight.data_ptr(), y.data_ptr(), R, N, K, torch.get_num_threads())
     return y
 
 
-@bf16_gemv.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    return _quantized("of_fp8_gemv", x, weight, scale, act_qdq)
 
 
-@torch.library.custom_op("openflash::fp4_experts", mutates_args=())
+def _fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    return _quantized("of_fp4_gemv", x, weight, scale, act_qdq)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times an FP8 E4M3 weight [N, K] (its bytes) with UE8M0 scales per 32 x 32 block
+    [ceil(N/32), K/32]; act_qdq: FP8-QDQ x per 32 channels first. Returns [R, N] fp32."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openflash.fp8_gemv(x, weight, scale, act_qdq)
+    return _fp8(x, weight, scale, act_qdq)
+
+
+def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
+    with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openflash.fp4_gemv(x, weight, scale, act_qdq)
+    return _fp4(x, weight, scale, act_qdq)
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 (R <= 16) times a bf16 weight [N, K]. Returns [R, N] fp32."""
+    return torch.ops.openflash.bf16_gemv(x, weight) if torch.compiler.is_compiling() else _bf16(x, weight)
+
+
 def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
                 s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
                 expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
@@ -189,6 +197,13 @@ def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor],
     y[token] += h W2^T in pair order. The lists hold each expert's MXFP4 bytes and UE8M0 scales: w1, w3 [I, K/2],
     s1, s3 [I, K/32], w2 [K, I/2], s2 [K, I/32]. act_qdq: FP8-QDQ x and h per 32 (the experts' input rounding).
     Returns y [T, K] fp32."""
+    op = torch.ops.openflash.fp4_experts if torch.compiler.is_compiling() else _experts
+    return op(x, w1, s1, w3, s3, w2, s2, token, expert, weight, limit, act_qdq)
+
+
+def _experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
+             s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
+             expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
     E, P = len(w1), token.numel()
     K, I = x.shape[-1], (w1[0].shape[0] if w1 else 0)
     problems = []
@@ -214,17 +229,32 @@ def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor],
     x, token, expert, weight = x.contiguous(), token.contiguous(), expert.contiguous(), weight.contiguous()
     y = torch.zeros_like(x)
     tables = [(ctypes.c_void_p * E)(*(t.data_ptr() for t in tensors)) for tensors, _ in shapes.values()]
-    _run("of_fp4_experts", x, _ptr(x, ctypes.c_float), x.shape[0], K, I, *tables, P, _ptr(token, ctypes.c_int64),
-         _ptr(expert, ctypes.c_int64), _ptr(weight, ctypes.c_float), limit, int(act_qdq), _ptr(y, ctypes.c_float),
-         torch.get_num_threads())
+    _run("of_fp4_experts", x, x.data_ptr(), x.shape[0], K, I, *tables, P, token.data_ptr(), expert.data_ptr(),
+         weight.data_ptr(), limit, int(act_qdq), status().isa, y.data_ptr(), torch.get_num_threads())
     return y
 
 
-@fp4_experts.register_fake
-def _(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor], s3: list[torch.Tensor],
-      w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
-      limit: float, act_qdq: bool) -> torch.Tensor:
+def _register_ops() -> None:
+    """openflash::fp8_gemv, fp4_gemv, bf16_gemv and fp4_experts: the products above as graph nodes, each with the
+    fake implementation that gives a traced graph its output's shape."""
+    def quantized_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    for name, product in (("fp8_gemv", _fp8), ("fp4_gemv", _fp4)):
+        torch.library.custom_op(f"openflash::{name}", mutates_args=())(product).register_fake(quantized_fake)
+    bf16 = torch.library.custom_op("openflash::bf16_gemv", mutates_args=())(_bf16)
+    bf16.register_fake(lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
+    experts = torch.library.custom_op("openflash::fp4_experts", mutates_args=())(_experts)
+    experts.register_fake(_experts_fake)
+
+
+def _experts_fake(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
+                  s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
+                  expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+_register_ops()
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -235,4 +265,4 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = ["Status", "status", "build", "library_path", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "fp4_experts",
-           "MAX_ROWS"]
+           "MAX_ROWS", "ISA_AVX2", "ISA_AVX512_BF16"]

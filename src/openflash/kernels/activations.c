@@ -1,0 +1,111 @@
+/* Activations before a product: the reference's FP8 QDQ (formats.act_quant_qdq), and the layouts the products
+ * read them in (one pass per call, over K values a row, where the products read N * K weights). */
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+
+float UE8M0[256];
+
+__attribute__((constructor)) static void fill_ue8m0(void) {
+    for (int b = 0; b < 256; b++) {
+        uint32_t bits = b ? (uint32_t)b << 23 : 0x00400000u; /* b = 0: 2^-127, an fp32 subnormal */
+        memcpy(&UE8M0[b], &bits, 4);
+        if (b == 255) UE8M0[b] = NAN;
+    }
+}
+
+static float pow2_ceil(float t) { /* 2^ceil(log2 t), exact powers of two unchanged (formats.pow2_ceil_scale) */
+    uint32_t bits;
+    memcpy(&bits, &t, 4);
+    uint32_t biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+    if (biased == 0) return UE8M0[0];
+    uint32_t out = biased << 23;
+    float f;
+    memcpy(&f, &out, 4);
+    return f;
+}
+
+AVX2 INLINE float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* The nearest E4M3 value of q (|q| <= 448 already, ties to even; formats.e4m3_round): 3 mantissa bits kept by
+ * integer rounding at bit 20 for normals, steps of 2^-9 below 2^-6 (the subnormals). NaN stays NaN. */
+AVX2 INLINE __m256 e4m3_round8(__m256 q) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 a = _mm256_and_ps(q, magnitude), sign = _mm256_andnot_ps(magnitude, q);
+    __m256i bits = _mm256_castps_si256(a);
+    __m256i even = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), even));
+    __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFF00000u)));
+    __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                               _mm256_set1_ps(1.0f / 512.0f));
+    __m256 r = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ));
+    return _mm256_or_ps(r, sign);
+}
+
+/* Per 32 channels: s = pow2ceil(max(amax, 1e-4) * fp32(1/448)), x -> e4m3(clamp(x / s, +-448)) * s. x / s is
+ * x * (1 / s), both exact scalings by a power of two. min/max take q second so that NaN passes through. */
+AVX2 void qdq_activations(const float *x, float *out, int rows, int K) {
+    const float inv448 = (float)(1.0 / 448.0);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (long g = 0; g < (long)rows * K; g += 32) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + g + 8 * i);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[i], magnitude));
+        }
+        float s = pow2_ceil(fmaxf(hmax(m), 1e-4f) * inv448);
+        __m256 inv = _mm256_set1_ps(1.0f / s), scale = _mm256_set1_ps(s);
+        for (int i = 0; i < 4; i++) {
+            __m256 q = _mm256_mul_ps(v[i], inv);
+            q = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), q));
+            _mm256_storeu_ps(out + g + 8 * i, _mm256_mul_ps(e4m3_round8(q), scale));
+        }
+    }
+}
+
+/* avx2.c's FP4 decoder yields a 32-group's weights as elements 0, 2, .., 14 | 1, 3, .., 15 | 16, 18, .., 30 |
+ * 17, 19, .., 31: lane 8 i + j holds element 16 (i / 2) + 2 j + i % 2. */
+static int fp4_lane_element(int lane) { return 16 * ((lane / 8) / 2) + 2 * (lane % 8) + (lane / 8) % 2; }
+
+void fp4_lane_order(const float *x, float *out, int rows, int K) {
+    float group[32];
+    for (long g = 0; g < (long)rows * K; g += 32) {
+        memcpy(group, x + g, sizeof group);
+        for (int lane = 0; lane < 32; lane++) out[g + lane] = group[fp4_lane_element(lane)];
+    }
+}
+
+static uint16_t bf16_bits(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (uint16_t)(bits >> 16);
+}
+
+AVX2 void to_bf16(const float *x, uint16_t *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = bf16_bits(x[i]);
+}
+
+/* avx512.c's FP4 decoder reads two 32-groups (32 bytes) at once as 32 words, byte i in word i, and looks up the
+ * low nibbles (elements 0, 2, .., 62 of the 64) and the high ones (1, 3, .., 63) apart: each 64 channels become
+ * their 32 even elements, then their 32 odd ones, as bf16; a row is padded with zeros to whole 64s. */
+size_t bf16_pairs_width(int K) { return ((size_t)K + 63) / 64 * 64; }
+
+void fp4_bf16_pairs(const float *x, uint16_t *out, int rows, int K) {
+    const size_t width = bf16_pairs_width(K);
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * K;
+        uint16_t *o = out + (size_t)r * width;
+        for (int base = 0; base < K; base += 64, o += 64)
+            for (int i = 0; i < 32; i++) {
+                int even = base + 2 * i; /* K is a multiple of 32: an element and its odd neighbour exist together */
+                o[i] = even < K ? bf16_bits(xr[even]) : 0;
+                o[32 + i] = even < K ? bf16_bits(xr[even + 1]) : 0;
+            }
+    }
+}

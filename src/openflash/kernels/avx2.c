@@ -1,0 +1,196 @@
+/* Products on stored weights with AVX2 + FMA + F16C, the baseline every x86-64 machine of the last decade has.
+ * x is fp32: in lane order for FP4 (activations.c fp4_lane_order), times 256 for FP8 (below). Threads split the
+ * output rows (OpenMP). Results equal dequantize-then-fp32-matmul to fp32 summation order.
+ *
+ * FP4: every E2M1 value is an fp16 whose low byte is zero, so one VPSHUFB over 16 high bytes (the sign included)
+ * decodes 16 nibbles, an unpack with zeros makes them fp16 words and F16C converts 8 at a time.
+ * FP8: an E4M3 byte b, its magnitude bits shifted left by 7, is the fp16 of value(b) / 256, subnormals included;
+ * F16C converts it and the 256 is folded into x (exact: a power of two), so extreme block scales stay finite. */
+#include <string.h>
+
+#include "kernels.h"
+
+AVX2 INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Accumulators per activation row: a row's FMAs form a dependency chain (4 cycles each), so few rows get several
+ * chains, summed at the end; with 8 rows there are 8 chains already. */
+#define ACCS(nr) ((nr) <= 2 ? 4 : ((nr) <= 4 ? 2 : 1))
+
+/* acc[r * A + j] += w[i] * x[r][8 i ..] for the 4 weight vectors of one 32-group. */
+AVX2 INLINE void fma_group(const __m256 w[4], const float *x, int ldx, int nr, __m256 *acc) {
+    const int A = ACCS(nr);
+    for (int r = 0; r < nr; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        for (int i = 0; i < 4; i++)
+            acc[r * A + i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r * A + i % A]);
+    }
+}
+
+/* The unscaled dot product of one 32-group's weights with 32 activations: two chains, then their sum. */
+AVX2 INLINE __m256 group_dot(const __m256 w[4], const float *x) {
+    __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(x)), b = _mm256_mul_ps(w[1], _mm256_loadu_ps(x + 8));
+    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a);
+    b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), b);
+    return _mm256_add_ps(a, b);
+}
+
+/* Few rows: each group's sum is taken unscaled and multiplied by its scale (one FMA a row); the group index's
+ * parity picks the accumulator (a constant once the loop is unrolled by two: registers cannot be indexed). Many rows:
+ * the 4 weight vectors are scaled once instead. */
+#define SCALED_PRODUCT(decode, nr, x, K, acc, g, scale, parity)                                                 \
+    do {                                                                                                       \
+        __m256 w_[4], s_ = _mm256_set1_ps(scale);                                                              \
+        decode;                                                                                                \
+        if (nr <= 2) {                                                                                         \
+            for (int r = 0; r < nr; r++)                                                                       \
+                acc[r * 4 + parity] = _mm256_fmadd_ps(group_dot(w_, x + (size_t)r * K + 32 * (g)), s_,         \
+                                                      acc[r * 4 + parity]);                                    \
+        } else {                                                                                               \
+            for (int i = 0; i < 4; i++) w_[i] = _mm256_mul_ps(w_[i], s_);                                      \
+            fma_group(w_, x + 32 * (g), K, nr, acc);                                                           \
+        }                                                                                                      \
+    } while (0)
+
+AVX2 INLINE void store_rows(__m256 *acc, int nr, float *y, int ldy) {
+    const int A = ACCS(nr);
+    for (int r = 0; r < nr; r++) {
+        __m256 a = acc[r * A];
+        for (int j = 1; j < A; j++) a = _mm256_add_ps(a, acc[r * A + j]);
+        y[(size_t)r * ldy] = hsum(a);
+    }
+}
+
+/* ---- FP4 ---------------------------------------------------------------------------------------------------- */
+
+/* The 32 weights of a group in lane order: vector 0 holds elements 0, 2, .., 14, vector 1 1, 3, .., 15, vector 2
+ * 16, 18, .., 30, vector 3 17, .., 31 (x is laid out to match once per call, so no weight is shuffled). */
+
+AVX2 INLINE void fp4_group(const uint8_t *bytes, __m256 w[4]) {
+    const __m128i high = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
+                                       (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
+    const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+    __m128i b = _mm_loadu_si128((const __m128i *)bytes);
+    __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));                      /* elements 0, 2, .. */
+    __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));   /* elements 1, 3, .. */
+    w[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even));
+    w[1] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd));
+    w[2] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even));
+    w[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd));
+}
+
+/* One output row against nr (<= CHUNK) rows of x in lane order. */
+AVX2 INLINE void fp4_row(const uint8_t *wrow, const uint8_t *srow, const float *x, int K, int nr, float *y,
+                         int ldy) {
+    __m256 acc[CHUNK];
+    for (int j = 0; j < CHUNK; j++) acc[j] = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 2 <= K / 32; g += 2) {
+        SCALED_PRODUCT(fp4_group(wrow + 16 * g, w_), nr, x, K, acc, g, UE8M0[srow[g]], 0);
+        SCALED_PRODUCT(fp4_group(wrow + 16 * (g + 1), w_), nr, x, K, acc, g + 1, UE8M0[srow[g + 1]], 1);
+    }
+    if (g < K / 32) SCALED_PRODUCT(fp4_group(wrow + 16 * g, w_), nr, x, K, acc, g, UE8M0[srow[g]], 0);
+    store_rows(acc, nr, y, ldy);
+}
+
+AVX2 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
+                               int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < N; o++) {
+        const uint8_t *wrow = w + (size_t)o * (K / 2), *srow = scale + (size_t)o * (K / 32);
+        for (int r0 = 0; r0 < R; r0 += CHUNK) {
+            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
+            DISPATCH_ROWS(fp4_row(wrow, srow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
+        }
+    }
+}
+
+/* ---- FP8 ---------------------------------------------------------------------------------------------------- */
+
+/* 16 E4M3 bytes -> 16 floats (value = fp16(magnitude << 7 | sign << 15) * 256). */
+AVX2 INLINE void fp8_16(const uint8_t *bytes, __m256 *a, __m256 *b) {
+    /* sign-extended and shifted by 7, bit 15 is the sign and bits 13..7 the magnitude; bit 14 (the sign again)
+     * is cleared */
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)bytes));
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBFFF));
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+AVX2 INLINE void fp8_row(const uint8_t *wrow, const uint8_t *srow, const float *x, int K, int nr, float *y,
+                         int ldy) {
+    __m256 acc[CHUNK];
+    for (int j = 0; j < CHUNK; j++) acc[j] = _mm256_setzero_ps();
+#define FP8_GROUP(g) fp8_16(wrow + 32 * (g), &w_[0], &w_[1]), fp8_16(wrow + 32 * (g) + 16, &w_[2], &w_[3])
+    int g = 0;
+    for (; g + 2 <= K / 32; g += 2) {
+        SCALED_PRODUCT(FP8_GROUP(g), nr, x, K, acc, g, UE8M0[srow[g]], 0);
+        SCALED_PRODUCT(FP8_GROUP(g + 1), nr, x, K, acc, g + 1, UE8M0[srow[g + 1]], 1);
+    }
+    if (g < K / 32) SCALED_PRODUCT(FP8_GROUP(g), nr, x, K, acc, g, UE8M0[srow[g]], 0);
+#undef FP8_GROUP
+    store_rows(acc, nr, y, ldy);
+}
+
+AVX2 void avx2_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
+                               int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < N; o++) {
+        const uint8_t *wrow = w + (size_t)o * K, *srow = scale + (size_t)(o / 32) * (K / 32);
+        for (int r0 = 0; r0 < R; r0 += CHUNK) {
+            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
+            DISPATCH_ROWS(fp8_row(wrow, srow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
+        }
+    }
+}
+
+/* ---- bf16 --------------------------------------------------------------------------------------------------- */
+
+AVX2 INLINE __m256 bf16_8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+AVX2 INLINE void bf16_row(const uint16_t *wrow, const float *x, int K, int nr, float *y, int ldy) {
+    __m256 acc[CHUNK];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = bf16_8(wrow + k), w1 = bf16_8(wrow + k + 8);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + (size_t)r * K + k;
+            acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
+            acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float tail = 0.0f;
+        for (int j = k; j < K; j++) {
+            uint32_t bits = (uint32_t)wrow[j] << 16;
+            float wf;
+            memcpy(&wf, &bits, 4);
+            tail += wf * x[(size_t)r * K + j];
+        }
+        y[(size_t)r * ldy] = hsum(acc[r]) + tail;
+    }
+}
+
+AVX2 void avx2_bf16_gemv(const float *x, const uint16_t *w, float *y, int R, int N, int K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < N; o++) {
+        const uint16_t *wrow = w + (size_t)o * K;
+        for (int r0 = 0; r0 < R; r0 += CHUNK) {
+            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
+            DISPATCH_ROWS(bf16_row(wrow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
+        }
+    }
+}
+
+AVX2 float avx2_fp4_dot(const uint8_t *wrow, const uint8_t *srow, const void *x, int K) {
+    float y;
+    fp4_row(wrow, srow, (const float *)x, K, 1, &y, 1);
+    return y;
+}
