@@ -8,6 +8,7 @@ Shapes (DeepSeek-V4.1-Flash): a routed expert's w1/w3 (5120 -> 2304) and w2 (230
 attention's wq_a (5120 -> 1280) and wo_b (8192 -> 5120) in FP8, the head (5120 -> 129280) in bf16. Each is cycled
 over enough copies to exceed the last-level cache, so every product reads its weight from RAM. The PyTorch path:
 `Linear` in "stored" residency with the kernels off (FP8 activation QDQ, then one dequantized fp32 tile at a time).
+Where the CPU has AVX-512 BF16, the AVX2 kernels (what a machine without it runs) are timed beside them.
 
 A layer's routed experts (`--moe-experts E`, 0 to skip): E released-shape FP4 experts, each decode-sized step
 (1 or 2 tokens, 6 experts each, drawn at random) through one native call for the layer (model/routed.py `native`)
@@ -85,6 +86,12 @@ def time_products(lins: list[Linear], x: torch.Tensor, reps: int) -> float:
     return statistics.median(times)
 
 
+def use_isa(choice: str) -> None:
+    """Products from now on with OPENFLASH_KERNELS=choice ("1": the best here, "avx2": the baseline)."""
+    os.environ["OPENFLASH_KERNELS"] = choice
+    native.status.cache_clear()
+
+
 @torch.no_grad()
 def moe_layer(experts: int, tokens: list[int], reps: int, bandwidth: float, g: torch.Generator) -> list[dict]:
     """Seconds per step of a layer's routed experts, one native call against one call per expert (module doc)."""
@@ -145,6 +152,7 @@ def main() -> None:
     print(f"{args.threads} threads; read probe {bandwidth / 1e9:.1f} GB/s; {native.status().reason}", flush=True)
     g = torch.Generator().manual_seed(0)
     rows_out = []
+    also_avx2 = native.status().isa != native.ISA_AVX2
     for name, fmt, n, k in SHAPES if args.rows else []:
         first = stored_linear(fmt, n, k, g)
         copies = max(2, WORKING_SET // stored_bytes(first))
@@ -157,6 +165,13 @@ def main() -> None:
             seconds = time_products(lins, x, args.reps)
             row.update(kernel_ms=1e3 * seconds, kernel_gbps=nbytes / seconds / 1e9,
                        kernel_of_bandwidth=nbytes / seconds / bandwidth)
+            if also_avx2 and fmt != "bf16":
+                use_isa("avx2")
+                try:
+                    seconds = time_products(lins, x, args.reps)
+                finally:
+                    use_isa("1")
+                row.update(avx2_ms=1e3 * seconds, avx2_of_bandwidth=nbytes / seconds / bandwidth)
             if rows in args.pytorch_rows:
                 off = native.serves
                 native.serves = lambda *a: False  # the PyTorch path: what the kernels replace
@@ -169,13 +184,18 @@ def main() -> None:
             rows_out.append(row)
             print(f"{name:<13} {fmt:<4} {n:>6} x {k:<5} rows {rows:>2}: {row['kernel_ms']:8.3f} ms "
                   f"{row['kernel_gbps']:5.1f} GB/s ({100 * row['kernel_of_bandwidth']:4.1f}% of the probe)"
+                  + (f"; AVX2 {row['avx2_ms']:7.3f} ms ({100 * row['avx2_of_bandwidth']:4.1f}%)" if "avx2_ms" in row
+                     else "")
                   + (f"; PyTorch path {row['pytorch_ms']:8.2f} ms (x{row['speedup']:.0f})" if "pytorch_ms" in row
                      else ""), flush=True)
         del lins
     if args.moe_experts:
         rows_out += moe_layer(args.moe_experts, [1, 2], max(args.reps, 8), bandwidth, g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    after = read_bandwidth()
+    print(f"read probe again: {after / 1e9:.1f} GB/s (the machine is shared: figures drift)")
     args.out.write_text(json.dumps({"threads": args.threads, "read_bandwidth": bandwidth,
+                                    "read_bandwidth_after": after, "kernels": native.status().reason,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "results": rows_out}, indent=1))
     print(f"wrote {args.out}")
 

@@ -18,6 +18,7 @@ import torch
 
 from openflash.checkpoint import build_model, open_model
 from openflash.config import load_config
+from openflash.kernels import native
 from openflash.model import decode_graph
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import NUMERICS
@@ -103,13 +104,44 @@ def test_steps_that_cannot_be_one_graph_say_why(tiny):
     assert "ExpertSource" in graph.why_not(cache, None, None, False, object())
 
 
-def test_stored_weights_run_decode_on_the_per_kernel_path():
-    """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency): not one graph."""
+def test_stored_weights_without_kernels_run_decode_on_the_per_kernel_path(monkeypatch):
+    """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency) and no native kernels: not one graph."""
     model = open_model("tests/goldens/A2", weights="stored").model
     cache = model.new_cache(1)
-    assert DecodeGraph(model).why_not(cache, None, None, False, None) == '"stored" weight residency'
-    model.set_weight_residency("dequantized")
-    assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
+    monkeypatch.setenv("OPENFLASH_KERNELS", "0")
+    native.status.cache_clear()
+    try:
+        assert "stored" in DecodeGraph(model).why_not(cache, None, None, False, None)
+        model.set_weight_residency("dequantized")
+        assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()
+
+
+@pytest.mark.skipif(not native.status().available, reason=f"no native kernels: {native.status().reason}")
+def test_stored_weights_decode_as_one_graph_through_the_kernels(monkeypatch):
+    """Golden A2 kept as stored (FP8 attention, FP4 experts, Engram rows through its runtime): the whole step is one
+    graph (captured by dynamo, run by PyTorch's own kernels) calling the native kernels as custom ops, the routed
+    experts in one call a layer by expert id; its logits are the per-kernel step's."""
+    monkeypatch.setattr(decode_graph, "BACKEND", "eager")
+    runtime = open_model("tests/goldens/A2", weights="stored", numerics="fp32")
+
+    def run(compiled: bool) -> torch.Tensor:
+        runtime.model.set_numerics(NUMERICS["fp32"].with_compile(compiled))
+        cache = runtime.model.new_cache(1)
+        out = [runtime.step(torch.tensor([[5, 6, 7, 8]]), cache)]
+        for _ in range(6):
+            out.append(runtime.decode(out[-1].argmax(-1), cache))
+        return torch.stack(out)
+
+    want = run(False)
+    torch._dynamo.utils.counters.clear()
+    got = run(True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    graph = runtime.stats()["decode_graph"]
+    assert graph["steps"] == 6 and graph["graphs"] == 1, graph
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_graph_captures_whole_and_grows_without_recompiling(tiny, monkeypatch):

@@ -136,11 +136,12 @@ def checkpoint_folder(path: str | Path) -> Path:
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
                verify: bool = False, weights: str = "auto", expert_placement: str = "device",
                expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False) -> Runtime:
+               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False,
+               expert_direct_io: bool = False) -> Runtime:
     """The runtime (runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset name (random weights, seed 0, for smoke
     tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
     numerics on the compiled backend (model/compiled.py). expert_prefetch: with disk experts, decode steps start
-    reading the experts the routers predict (memory/experts.py)."""
+    reading the experts the routers predict (memory/experts.py); expert_direct_io: read them with O_DIRECT."""
     if numerics not in NUMERICS:
         raise CheckpointError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
     policy = NUMERICS[numerics].with_compile(compile)
@@ -148,6 +149,9 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
         check_toolchain(device)
     if expert_placement not in EXPERT_PLACEMENTS:
         raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
+    if expert_direct_io and expert_placement == "device":
+        raise CheckpointError("--expert-direct-io reads routed experts from the shards: it needs --expert-placement "
+                              "host or disk")
     if spec in PRESETS:
         if expert_placement != "device":
             raise CheckpointError(f"--expert-placement {expert_placement} reads experts from a checkpoint's shards; "
@@ -163,7 +167,8 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", 
     model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
                                     weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
     store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
-                        device, group=expert_group, prefetch=expert_prefetch) if offload else None
+                        device, group=expert_group, prefetch=expert_prefetch,
+                        direct_io=expert_direct_io) if offload else None
     note = report.summary() + (f"; routed experts on {expert_placement}" +
                                (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
     return Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, note=note,

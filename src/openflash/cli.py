@@ -56,6 +56,9 @@ def _expert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-prefetch", action="store_true",
                         help="with disk: decode steps start reading the experts this and the next layer's routers "
                              "predict (off by default: slower where disk reads dominate; docs/benchmarks.md)")
+    parser.add_argument("--expert-direct-io", action="store_true",
+                        help="with host / disk: read the experts from the shards with O_DIRECT, past the page cache "
+                             "(off by default: the page cache also serves re-reads; benchmarks/expert_reads.py)")
 
 
 def _token_ids(text: str) -> list[int]:

@@ -68,7 +68,8 @@ class Runtime:
     note: str = ""  # what was loaded, for logs
     tokenizer_source: str = ""  # which tokenizer was loaded (a path, or why DeepSeek's), for error messages
     folder: Path | None = None  # the checkpoint folder it came from (None: a preset or a built model)
-    graphs: dict[Numerics, DecodeGraph] = field(default_factory=dict, repr=False)  # one per numerics policy
+    # one per numerics policy and weight residency (a graph reads the weights as the residency keeps them)
+    graphs: dict[tuple[Numerics, str], DecodeGraph] = field(default_factory=dict, repr=False)
     adapters: AdapterSelection | None = None  # served LoRA adapters (load_adapters); a step's rows pick theirs
     adapter_keys: list[int] = field(default_factory=list)  # per adapter: a digest of its weights (prefix-cache keys)
     _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # exported tables, disk tier
@@ -217,9 +218,10 @@ class Runtime:
         numerics = self.model.numerics
         if not numerics.compiled:
             return None
-        if numerics not in self.graphs:
-            self.graphs[numerics] = DecodeGraph(self.model)
-        return self.graphs[numerics]
+        key = (numerics, self.model.weight_residency)
+        if key not in self.graphs:
+            self.graphs[key] = DecodeGraph(self.model)
+        return self.graphs[key]
 
     # ---- training -------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,

@@ -41,7 +41,7 @@ def generate(args: Any) -> int:
     group = _expert_group(args)
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=args.expert_prefetch,
+                        expert_prefetch=args.expert_prefetch, expert_direct_io=args.expert_direct_io,
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
                         expert_group=group, compile=args.compile)
     if args.lora is not None:
@@ -174,7 +174,8 @@ def serve(args: Any) -> int:
     group = _expert_group(args)
     loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
                         expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=args.expert_prefetch, skip_engram_tables=tables_on_disk,
+                        expert_prefetch=args.expert_prefetch, expert_direct_io=args.expert_direct_io,
+                        skip_engram_tables=tables_on_disk,
                         compile=args.compile, expert_group=group)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     if args.lora:

@@ -7,6 +7,7 @@ absolute path, a `..` step or a link that leads elsewhere is refused, never open
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -56,6 +57,7 @@ def read_weight_map(folder: Path) -> dict[str, Path]:
 
 # ---- where each tensor's bytes are (positioned reads without mapping the files) ----------------------------------
 
+DIRECT_ALIGN = 4096  # O_DIRECT reads whole logical blocks into aligned memory; 4 KiB covers the usual block sizes
 _ST_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8", "BF16": "bfloat16",
               "F16": "float16", "F32": "float32", "I64": "int64", "I32": "int32", "BOOL": "bool"}
 
@@ -68,27 +70,36 @@ class TensorLocation:
     dtype: str  # safetensors name (F8_E4M3, I8, BF16, ...)
     shape: tuple[int, ...]
 
-    def read(self, fd: int) -> "torch.Tensor":
+    def read(self, fd: int, direct: bool = False) -> "torch.Tensor":
         """The tensor, read with os.pread from an open descriptor of `path` (CheckpointError if the file is
-        shorter than its header says)."""
+        shorter than its header says). direct: `fd` was opened with O_DIRECT, which reads whole aligned blocks into
+        an aligned buffer: the blocks around the tensor are read and the tensor is a view into them."""
         import torch
 
-        flat = torch.empty(self.nbytes, dtype=torch.uint8)
-        view, done = memoryview(flat.numpy()), 0  # read straight into the tensor: no intermediate copy
-        while done < self.nbytes:
-            n = os.preadv(fd, [view[done:]], self.offset + done)
+        start = self.offset - self.offset % DIRECT_ALIGN if direct else self.offset
+        stop = -(-(self.offset + self.nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN if direct else self.offset + self.nbytes
+        buffer = torch.empty(stop - start + (DIRECT_ALIGN if direct else 0), dtype=torch.uint8)
+        skip = -buffer.data_ptr() % DIRECT_ALIGN if direct else 0
+        view, done = memoryview(buffer.numpy())[skip: skip + stop - start], 0  # read straight into the tensor
+        while start + done < self.offset + self.nbytes:
+            n = os.preadv(fd, [view[done:]], start + done)
             if n == 0:
                 raise CheckpointError(f"{self.path}: truncated: {self.nbytes} bytes at offset {self.offset} expected, "
-                                      f"{done} read")
+                                      f"{max(0, start + done - self.offset)} read")
             done += n
+        flat = buffer[skip + self.offset - start: skip + self.offset - start + self.nbytes]
         return flat.view(getattr(torch, _ST_DTYPES[self.dtype])).view(self.shape)
 
 
 class ShardReader:
     """Reads tensors of a checkpoint by positioned reads, one descriptor per shard file, opened on first use (safe
-    from several threads)."""
+    from several threads). direct: open the shards with O_DIRECT (Linux), reading past the page cache: nothing of
+    the shards is kept in RAM beyond what the caller holds (benchmarks/expert_reads.py measures both)."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False) -> None:
+        if direct and not hasattr(os, "O_DIRECT"):
+            raise CheckpointError("direct reads (O_DIRECT) are not available on this system")
+        self.direct = direct
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -97,10 +108,11 @@ class ShardReader:
             fd = self._fds.get(loc.path)
             if fd is None:
                 try:
-                    fd = self._fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+                    fd = self._fds[loc.path] = os.open(loc.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
                 except OSError as exc:
-                    raise CheckpointError(f"{loc.path}: cannot open: {exc.strerror}") from None
-        return loc.read(fd)
+                    why = " (the file system refuses O_DIRECT)" if self.direct and exc.errno == errno.EINVAL else ""
+                    raise CheckpointError(f"{loc.path}: cannot open: {exc.strerror}{why}") from None
+        return loc.read(fd, self.direct)
 
     def close(self) -> None:
         with self._lock:

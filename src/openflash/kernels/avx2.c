@@ -98,15 +98,9 @@ AVX2 INLINE void fp4_row(const uint8_t *wrow, const uint8_t *srow, const float *
 }
 
 AVX2 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
-                               int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wrow = w + (size_t)o * (K / 2), *srow = scale + (size_t)o * (K / 32);
-        for (int r0 = 0; r0 < R; r0 += CHUNK) {
-            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
-            DISPATCH_ROWS(fp4_row(wrow, srow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
-        }
-    }
+                          int threads) {
+    EACH_OUTPUT_ROW(N, R, fp4_row(w + (size_t)o * (K / 2), scale + (size_t)o * (K / 32), x + (size_t)r0 * K, K, nr,
+                                  y + (size_t)r0 * N + o, N))
 }
 
 /* ---- FP8 ---------------------------------------------------------------------------------------------------- */
@@ -137,15 +131,9 @@ AVX2 INLINE void fp8_row(const uint8_t *wrow, const uint8_t *srow, const float *
 }
 
 AVX2 void avx2_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
-                               int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wrow = w + (size_t)o * K, *srow = scale + (size_t)(o / 32) * (K / 32);
-        for (int r0 = 0; r0 < R; r0 += CHUNK) {
-            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
-            DISPATCH_ROWS(fp8_row(wrow, srow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
-        }
-    }
+                          int threads) {
+    EACH_OUTPUT_ROW(N, R, fp8_row(w + (size_t)o * K, scale + (size_t)(o / 32) * (K / 32), x + (size_t)r0 * K, K, nr,
+                                  y + (size_t)r0 * N + o, N))
 }
 
 /* ---- bf16 --------------------------------------------------------------------------------------------------- */
@@ -179,14 +167,7 @@ AVX2 INLINE void bf16_row(const uint16_t *wrow, const float *x, int K, int nr, f
 }
 
 AVX2 void avx2_bf16_gemv(const float *x, const uint16_t *w, float *y, int R, int N, int K, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < N; o++) {
-        const uint16_t *wrow = w + (size_t)o * K;
-        for (int r0 = 0; r0 < R; r0 += CHUNK) {
-            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
-            DISPATCH_ROWS(bf16_row(wrow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
-        }
-    }
+    EACH_OUTPUT_ROW(N, R, bf16_row(w + (size_t)o * K, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
 }
 
 AVX2 float avx2_fp4_dot(const uint8_t *wrow, const uint8_t *srow, const void *x, int K) {

@@ -58,14 +58,8 @@ AVX512 INLINE void fp4_row(const uint8_t *wrow, const uint8_t *srow, const uint1
 AVX512 void avx512_fp4_gemv(const uint16_t *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
                             int threads) {
     const size_t ldx = bf16_pairs_width(K);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wrow = w + (size_t)o * (K / 2), *srow = scale + (size_t)o * (K / 32);
-        for (int r0 = 0; r0 < R; r0 += CHUNK) {
-            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
-            DISPATCH_ROWS(fp4_row(wrow, srow, x + r0 * ldx, ldx, K, nr, y + (size_t)r0 * N + o, N))
-        }
-    }
+    EACH_OUTPUT_ROW(N, R, fp4_row(w + (size_t)o * (K / 2), scale + (size_t)o * (K / 32), x + r0 * ldx, ldx, K, nr,
+                                  y + (size_t)r0 * N + o, N))
 }
 
 AVX512 float avx512_fp4_dot(const uint8_t *wrow, const uint8_t *srow, const void *x, int K) {
@@ -101,12 +95,6 @@ AVX512 INLINE void fp8_row(const uint8_t *wrow, const uint8_t *srow, const uint1
 
 AVX512 void avx512_fp8_gemv(const uint16_t *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
                             int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wrow = w + (size_t)o * K, *srow = scale + (size_t)(o / 32) * (K / 32);
-        for (int r0 = 0; r0 < R; r0 += CHUNK) {
-            int nr = R - r0 < CHUNK ? R - r0 : CHUNK;
-            DISPATCH_ROWS(fp8_row(wrow, srow, x + (size_t)r0 * K, K, nr, y + (size_t)r0 * N + o, N))
-        }
-    }
+    EACH_OUTPUT_ROW(N, R, fp8_row(w + (size_t)o * K, scale + (size_t)(o / 32) * (K / 32), x + (size_t)r0 * K, K, nr,
+                                  y + (size_t)r0 * N + o, N))
 }

@@ -30,6 +30,10 @@ static int bf16_products(int isa, int act_qdq) {
     return act_qdq && (isa & ISA_AVX512_BF16) && (of_cpu_features() & ISA_AVX512_BF16);
 }
 
+/* A product this small (a few microseconds on one core) costs less than waking a second thread: one thread. */
+#define SMALL_PRODUCT (1L << 18) /* multiply-adds */
+static int threads_for(long multiply_adds, int threads) { return multiply_adds < SMALL_PRODUCT ? 1 : threads; }
+
 static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* ---- the FP4 activation layouts of each instruction set, for the experts' call ---------------------------------- */
@@ -102,10 +106,10 @@ int of_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y
     if (act_qdq) qdq_activations(x, q, R, K);
     if (bf16) {
         fp4_bf16_pairs(q, xb, R, K);
-        avx512_fp4_gemv(xb, w, scale, y, R, N, K, threads);
+        avx512_fp4_gemv(xb, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
     } else {
         fp4_lane_order(act_qdq ? q : x, q, R, K);
-        avx2_fp4_gemv(q, w, scale, y, R, N, K, threads);
+        avx2_fp4_gemv(q, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
     }
     free(q), free(xb);
     return 0;
@@ -128,10 +132,10 @@ int of_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y
         memcpy(q, x, n * sizeof(float));
     if (bf16) {
         to_bf16(q, xb, n);
-        avx512_fp8_gemv(xb, w, scale, y, R, N, K, threads);
+        avx512_fp8_gemv(xb, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
     } else {
         for (size_t i = 0; i < n; i++) q[i] *= 256.0f; /* avx2.c's decoder yields value / 256 */
-        avx2_fp8_gemv(q, w, scale, y, R, N, K, threads);
+        avx2_fp8_gemv(q, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
     }
     free(q), free(xb);
     return 0;
@@ -139,7 +143,7 @@ int of_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y
 
 int of_bf16_gemv(const float *x, const uint16_t *w, float *y, int R, int N, int K, int threads) {
     if (!(of_cpu_features() & ISA_AVX2) || R < 1 || R > MAX_ROWS) return -1;
-    avx2_bf16_gemv(x, w, y, R, N, K, threads);
+    avx2_bf16_gemv(x, w, y, R, N, K, threads_for((long)R * N * K, threads));
     return 0;
 }
 
@@ -160,7 +164,7 @@ int of_fp4_experts(const float *x, int T, int K, int I, const uint8_t *const *w1
     if (act_qdq) qdq_activations(x, q, T, K);
     path->prepare(act_qdq ? q : x, xp, T, K);
     fp4_experts(path, xp, K, I, w1, s1, w3, s3, w2, s2, P, token, expert, weight, limit, act_qdq, h, hp, out,
-                threads);
+                threads_for(3L * P * I * K, threads));
     for (int p = 0; p < P; p++) {
         float *yr = y + (size_t)token[p] * K;
         const float *o = out + (size_t)p * K;

@@ -29,6 +29,16 @@
     default: { const int nr = 8; call; } break;                                                                \
     }
 
+/* y[r, o] for every output row o (threads split them) and each CHUNK of activation rows r0 .. r0 + nr - 1: `call`
+ * computes them (it reads o, r0 and nr; the caller's thread count is named `threads`). */
+#define EACH_OUTPUT_ROW(N, R, call)                                                                           \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
+    for (int o = 0; o < (N); o++)                                                                              \
+        for (int r0 = 0; r0 < (R); r0 += CHUNK) {                                                              \
+            int nr = (R) - r0 < CHUNK ? (R) - r0 : CHUNK;                                                      \
+            DISPATCH_ROWS(call)                                                                                \
+        }
+
 enum { ISA_AVX2 = 1, ISA_AVX512_BF16 = 2 }; /* of_cpu_features() bits; the `isa` argument of the entry points */
 
 extern float UE8M0[256]; /* byte -> 2^(byte - 127) (0: 2^-127, subnormal; 255: NaN), read-only once loaded */

@@ -7,7 +7,8 @@ model/moe.py) for the experts their router picked, and this module is one:
 - `host`: every routed expert read once into host RAM at start, in its stored format (FP4 codes + UE8M0 scales;
   pinned when the model runs on CUDA, and copied to the device per use through the cache);
 - `disk`: nothing resident at start; a miss reads the expert's six tensors straight from the official safetensors
-  shards with positioned reads (os.pread, several experts of a layer in parallel), no conversion step.
+  shards with positioned reads (os.pread, several experts of a layer in parallel), no conversion step; with
+  `direct_io`, through O_DIRECT (past the page cache: only the LRU holds experts in RAM).
 
 In front of either sits an LRU of ready-to-run experts under `cache_bytes` (0 = no limit), on the model's device.
 On disk, with `prefetch`, hints (the model's pre-gating: this and the next layer's routers applied to the layer's
@@ -89,7 +90,7 @@ class ExpertStore:
 
     def __init__(self, folder: str | Path, cfg: FlashConfig, numerics: Numerics, placement: str = "disk",
                  cache_bytes: int = 0, device: str | torch.device = "cpu", io_threads: int = 4,
-                 group: ExpertGroup | None = None, prefetch: bool = False) -> None:
+                 group: ExpertGroup | None = None, prefetch: bool = False, direct_io: bool = False) -> None:
         if placement not in ("host", "disk"):
             raise OpenflashError(f"expert placement {placement!r}: the store serves host or disk (device experts "
                                  f"are the model's own)")
@@ -100,7 +101,7 @@ class ExpertStore:
         self.stats = ExpertStats()
         self.group = group if group is not None and group.world_size > 1 else None
         self._locations = self._index(tensor_locations(self.folder))
-        self._reader = ShardReader()
+        self._reader = ShardReader(direct=direct_io)
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="openflash-experts")
         self._cache: OrderedDict[tuple[int, int], tuple[Expert, int]] = OrderedDict()  # -> (expert, bytes)
         self._cached_bytes = 0

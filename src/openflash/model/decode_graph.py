@@ -10,10 +10,13 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
   (the indexer's visibility mask; top-k over the fixed width picks the same entries, the rest become -1);
 - cache writes are masked writes (window ring slot = position % window; compressed groups where complete);
 - routed experts run per (token, slot) pair on weights gathered by expert id (model/routed.py `gathered`), from an fp32
-  stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: this path is for
-  models that fit; a model with offloaded or "stored" experts decodes on the per-kernel path).
+  stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: for models that
+  fit); experts kept as stored go to the native kernels in one call a layer, by expert id into every expert's bytes
+  (routed.py `native`, static); a model with offloaded experts decodes on the per-kernel path.
 GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
 the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, the gather fused into its loads.
+Weights in "stored" residency are read by the native kernels (kernels/native.py), custom ops in the graph: a batch
+of up to MAX_ROWS rows.
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
@@ -29,7 +32,8 @@ block each row's open group writes into, allocated and unshared (copy-on-write) 
 is cached on disk by inductor.
 
 Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
-a step), steps with a probe, images or an ExpertSource, "stored" weight residency (no fp32 copies to gather).
+a step), steps with a probe, images or an ExpertSource, "stored" weights the native kernels do not serve here (no
+kernels, or a batch past MAX_ROWS: no fp32 copies to gather).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from openflash.kernels import native
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
 from openflash.model.context import ExpertSource, Probe
@@ -79,8 +84,8 @@ class DecodeGraph:
     def __init__(self, model: "Transformer") -> None:
         self.model = model
         # Dynamo's per-call guard check on every module attribute and parameter is a large part of a small model's
-        # step: it is skipped, which is safe because this graph serves one model under one
-        # numerics policy (the runtime keeps one DecodeGraph per policy), whose structure does not change, and
+        # step: it is skipped, which is safe because this graph serves one model under one numerics policy and
+        # weight residency (the runtime keeps one DecodeGraph per pair), whose structure does not change, and
         # because its compiled code hangs on a code object of its own, never tried on another model. Guards on
         # the cache and the inputs (shapes, dtypes) stay.
         own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")
@@ -106,8 +111,10 @@ class DecodeGraph:
             reason = "routed experts from an ExpertSource"
         elif cache.replay is not None:
             reason = "a pending bounded-replay prefill"
-        elif not all(m.fp32_resident for m in self._linears):
-            reason = '"stored" weight residency'
+        elif not all(m.fp32_resident for m in self._linears) and not (
+                native.available() and cache.pos.numel() <= native.MAX_ROWS
+                and all(m.weight.device.type == "cpu" for m in self._linears)):
+            reason = '"stored" weights without the native kernels (none here, or a batch past 16 rows)'
         elif any(m.adapter is not None for m in self._every_linear):
             reason = "LoRA adapters"
         if reason is not None and reason not in self._noted:
@@ -137,9 +144,11 @@ class DecodeGraph:
         for tensor, dim in growing.values():  # (paged stores share one pool: its planes once)
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         for linear in self._linears:
-            linear.dequantized_weight()
+            if linear.fp32_resident:  # (stored weights are read as they are)
+                linear.dequantized_weight()
         for moe in self._moes:
-            moe.stacked_experts()
+            if moe.experts[0].w1.fp32_resident:
+                moe.stacked_experts()
         return None if engram is None else FetchedRows({s: engram.get(s) for s in self._engram_slots})
 
     def _reserve(self, cache: ModelCache) -> None:

@@ -167,13 +167,17 @@ class MoE(nn.Module, NumericsMixin):
         first = self.experts[0].w1
         # The native call: FP4 experts as stored (an ExpertSource's always are), inference, fp32 arithmetic.
         native = first.storage == "fp4" and (offloaded or not first.fp32_resident) and not torch.is_grad_enabled() \
-            and not self.numerics.bf16_boundaries and x.device.type == "cpu" and native_kernels.status().available
+            and not self.numerics.bf16_boundaries and x.device.type == "cpu" and native_kernels.available()
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
                              fp32_experts=not offloaded and first.fp32_resident,
                              adapted=self.adapted, native=native)
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
+            return self.numerics.round(y).view(shape)
+        if path == "native" and ctx.static:  # likewise
+            y = routed.native(x, weights, ids, partial(self._native_experts, None), lambda routed_sum: routed_sum,
+                              shared, static=True)
             return self.numerics.round(y).view(shape)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)
         if self.training and self._count_load:
@@ -183,7 +187,8 @@ class MoE(nn.Module, NumericsMixin):
         elif path == "native":
             fetch = self._fetch(ctx) if offloaded else (lambda chosen: {e: self.experts[e] for e in chosen})
             y = routed.native(x, weights, ids, partial(self._native_experts, fetch),
-                              ctx.experts.combine if offloaded else (lambda routed_sum: routed_sum), shared)
+                              ctx.experts.combine if offloaded else (lambda routed_sum: routed_sum), shared,
+                              static=ctx.static)
         elif path == "sorted":
             y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared, every=self.every_expert)
         elif path == "batched":
@@ -222,11 +227,14 @@ class MoE(nn.Module, NumericsMixin):
                              f"experts=<an ExpertSource> (openflash.memory.experts.ExpertStore) to the step")
         return lambda ids: ctx.experts.experts(self.layer, ids)
 
-    def _native_experts(self, fetch: Callable[[list[int]], Mapping[int, "Expert"]], x: torch.Tensor,
+    def _native_experts(self, fetch: Callable[[list[int]], Mapping[int, "Expert"]] | None, x: torch.Tensor,
                         token: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                        active: list[int]) -> torch.Tensor:
+                        active: list[int] | None) -> torch.Tensor:
         """`routed.native`'s call: the active experts' stored FP4 bytes handed to the native kernels. `fetch` gives
-        the experts (this process's share of them, under expert parallelism: the pairs of the others are left out)."""
+        the experts (this process's share of them, under expert parallelism: the pairs of the others are left out);
+        active None: every expert of the model, index being the expert id (a whole-step graph)."""
+        if active is None:
+            return self._native_call(x, list(self.experts), token, index, weight)
         experts = fetch(active)
         held = [i for i, e in enumerate(active) if e in experts]
         if len(held) < len(active):
@@ -236,10 +244,13 @@ class MoE(nn.Module, NumericsMixin):
             renumber = torch.full((len(active),), -1, dtype=index.dtype)
             renumber[held] = torch.arange(len(held), dtype=index.dtype)
             token, index, weight = token[keep], renumber[index[keep]], weight[keep]
-        mine = [experts[active[i]] for i in held]
+        return self._native_call(x, [experts[active[i]] for i in held], token, index, weight)
 
+    def _native_call(self, x: torch.Tensor, experts: list["Expert"], token: torch.Tensor, index: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+        """The native kernels' experts call (kernels/native.py `fp4_experts`) on these experts' stored bytes."""
         def stored(name: str, part: str) -> list[torch.Tensor]:
-            return [formats.as_uint8(getattr(getattr(e, name), part)) for e in mine]
+            return [formats.as_uint8(getattr(getattr(e, name), part)) for e in experts]
 
         return native_kernels.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
                                           stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),

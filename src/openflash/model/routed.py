@@ -9,11 +9,12 @@ pairs meet the experts' weights, which decides speed and what shapes depend on t
     batched    pairs padded per selected expert into [U, C, dim], three batched matmuls on stacked fp32 weights
                (decode-sized steps: up to BATCHED_PAIRS pairs)
     gathered   each pair through its expert's weights gathered by id: no shape depends on the routing (the
-               compiled decode graph)
+               compiled decode graph on fp32 experts)
     sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
     offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
     native     every pair in one call of the native kernels on the experts' stored FP4 bytes (decode-sized steps
-               of experts kept as stored, in the model or from an ExpertSource: up to NATIVE_PAIRS pairs)
+               of experts kept as stored, in the model or from an ExpertSource: up to NATIVE_PAIRS pairs; in the
+               compiled decode graph, any number, by expert id into every expert's bytes)
 
 `choose` picks one from the call's facts; tests/test_routed.py runs every path against `grouped` on the same
 inputs. The functions are pure: the MoE hands them its experts (callables) or their stacked weights.
@@ -50,8 +51,8 @@ def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp3
             raise ValueError("LoRA adapters on routed experts need the experts in the model (not offloaded) and "
                              "the eager step (not a whole-step graph)")
         return "sorted" if numerics.fused_train_ops else "grouped"
-    if static:
-        return "gathered"
+    if static:  # no shape may depend on the routing
+        return "native" if native else "gathered"
     if offloaded:
         return "native" if native and pairs <= NATIVE_PAIRS else "offloaded"
     if numerics.fused_train_ops:
@@ -131,13 +132,18 @@ def gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 def native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-           run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
-           combine: Callable[[torch.Tensor], torch.Tensor], shared: torch.Tensor) -> torch.Tensor:
+           run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None], torch.Tensor],
+           combine: Callable[[torch.Tensor], torch.Tensor], shared: torch.Tensor, static: bool = False) -> torch.Tensor:
     """Every pair in one call: `run(x, pair token, pair's index into the active experts, pair weight, active expert
     ids)` -> [N, dim], the pairs sorted by expert (ascending), so each token sums its experts in `grouped`'s order;
-    `combine` sums the processes' shares (experts from an ExpertSource, as `offloaded`)."""
+    `combine` sums the processes' shares (experts from an ExpertSource, as `offloaded`). static (a whole-step
+    graph): no host read of the routing; the pairs in slot order (as `gathered` sums them), each by its expert id
+    into every expert (active None)."""
     k = ids.shape[1]
     flat = ids.flatten()
+    if static:
+        token = torch.arange(ids.shape[0], device=x.device).repeat_interleave(k)
+        return combine(run(x, token, flat, weights.flatten().float(), None)) + shared
     order = torch.argsort(flat, stable=True)
     active, index = torch.unique(flat, return_inverse=True)
     return combine(run(x, torch.div(order, k, rounding_mode="floor"), index[order], weights.flatten()[order].float(),

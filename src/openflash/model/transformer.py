@@ -89,6 +89,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.topology.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, exact_fp32=True)  # fp32 logits
+        self.weight_residency = "dequantized"  # every Linear's (set_weight_residency)
         # DSpark draft stages (checkpoint mtp.0..): they share embed and head with the backbone.
         self.mtp = nn.ModuleList(DSparkStage(cfg, m) for m in range(cfg.dspark.stages if cfg.dspark else 0))
         # The vision tower and aligner (checkpoint `vision.*`, `aligner.*`) and the span delimiter vectors.
@@ -123,6 +124,7 @@ class Transformer(nn.Module):
                 module.keep_dequantized = residency == "dequantized"
                 if not module.keep_dequantized:
                     module.drop_dequantized()
+        self.weight_residency = residency
         return self
 
     def engram_tables(self) -> dict[int, DeviceTable]:
