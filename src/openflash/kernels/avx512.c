@@ -17,6 +17,10 @@ static const uint16_t FP4_BF16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x
                                       0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,  /* -0..-6 */
                                       0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
                                       0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+/* Weight bytes ahead of the decoder a software prefetch asks for: the hardware's stream prefetcher alone left the
+ * long rows (K = 5120, 8192) a quarter to a third slower (measured: docs/benchmarks.md). */
+#define PREFETCH_BYTES 1024
+
 static const uint16_t E4M3_SUBNORMAL_BF16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
 
 AVX512 INLINE __m512 dot_pairs(__m512 acc, __m512i w, const uint16_t *x) {
@@ -46,6 +50,7 @@ AVX512 INLINE void fp4_row(const uint8_t *wrow, const uint8_t *srow, const uint1
     for (int g = 0; g < G; g += 2) {
         __m512i even, odd;
         __m512 s;
+        _mm_prefetch((const char *)(wrow + 16 * g + PREFETCH_BYTES), _MM_HINT_T0);
         fp4_pair(wrow, srow, g, G, table, &even, &odd, &s);
         for (int r = 0; r < nr; r++) {
             const uint16_t *xr = x + r * ldx + 32 * g;
@@ -85,6 +90,7 @@ AVX512 INLINE void fp8_row(const uint8_t *wrow, const uint8_t *srow, const uint1
     __m512 acc[CHUNK];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < K / 32; g++) {
+        _mm_prefetch((const char *)(wrow + 32 * g + 2 * PREFETCH_BYTES), _MM_HINT_T0);
         __m512i w = fp8_group(wrow + 32 * g, subnormals);
         __m512 s = _mm512_set1_ps(UE8M0[srow[g]]);
         for (int r = 0; r < nr; r++)
