@@ -60,3 +60,25 @@ def test_auto_picks_stored_when_the_copies_would_not_fit():
     assert load_checkpoint(GOLDENS / "A2", weights="auto")[1].residency == "dequantized"  # tiny: it fits
     with pytest.raises(CheckpointError, match="weights must be one of"):
         load_checkpoint(GOLDENS / "A2", weights="fp4")
+
+
+def test_auto_picks_stored_where_the_kernels_decode_faster(tmp_path, monkeypatch):
+    """A quantized checkpoint of hidden size KERNELS_WIDTH or more (the `small` preset's, FP8/FP4 by synth) keeps
+    its weights as stored when the native kernels run here; golden A2 (hidden 128) and any model without the
+    kernels keep fp32 copies where they fit."""
+    from openflash.checkpoint import KERNELS_WIDTH
+    from openflash.kernels import native
+    from openflash.tools.synth import synthesize
+
+    synthesize("small", tmp_path / "small", vision=False)
+    model, _ = load_checkpoint(tmp_path / "small", weights="stored")
+    assert model.cfg.hidden_size >= KERNELS_WIDTH
+    assert choose_residency(model, available=1 << 40) == ("stored" if native.available() else "dequantized")
+    assert choose_residency(model, available=1 << 40, device="meta") == "dequantized"  # not the CPU: no kernels
+    monkeypatch.setenv("OPENFLASH_KERNELS", "0")
+    native.status.cache_clear()
+    try:
+        assert choose_residency(model, available=1 << 40) == "dequantized"
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()

@@ -36,6 +36,7 @@ from openflash.files.atomic import write_text_atomic
 from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
+from openflash.kernels import native
 from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, find_token_map_file
@@ -189,7 +190,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     ExpertSource (memory/experts.py) to serve; their names, shapes and dtypes are still checked.
     weights: "dequantized" (bf16 tensors promoted to fp32, FP8/FP4 linears cached in fp32 at first use) or
     "stored" (only the stored bytes resident: bf16 matrices stay bf16, linears dequantize tile by tile); "auto"
-    picks "stored" when the dequantized copies would not fit comfortably in memory (`choose_residency`).
+    picks "stored" when the dequantized copies would not fit comfortably in memory, or where the native kernels
+    decode a quantized model of this width faster (`choose_residency`).
     """
     folder = checkpoint_folder(path)
     if verify:
@@ -210,7 +212,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
     model = build_model(cfg, numerics, device="meta")
     expected = model.state_dict()
     if weights == "auto":
-        weights = choose_residency(model)
+        weights = choose_residency(model, device=device)
     if weights not in WEIGHT_RESIDENCIES:
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES} or auto, got {weights!r}")
     keep_bf16 = _bf16_matrices(model) if weights == "stored" else set()
@@ -328,11 +330,22 @@ def resident_bytes(model: Transformer) -> int:
     return total + sum(m.dequantized_bytes for m in model.modules() if isinstance(m, Linear))
 
 
-def choose_residency(model: Transformer, available: int | None = None) -> str:
-    """"dequantized" when its fp32 copies take at most a quarter of the memory available (it is the faster:
-    docs/benchmarks.md, weight residency), else "stored"."""
+# The narrowest hidden size at which the native kernels on stored weights decode faster than fp32 copies on both
+# backends (docs/benchmarks.md, "weights as stored against dequantized": 1.5x eager and 1.7x compiled at 256; at 128
+# each product's call costs more than its arithmetic and the compiled graph on fp32 copies wins).
+KERNELS_WIDTH = 256
+
+
+def choose_residency(model: Transformer, available: int | None = None, device: str | torch.device = "cpu") -> str:
+    """"stored" when the fp32 copies would take more than a quarter of the memory available, or when the native
+    kernels serve the model's FP8/FP4 weights here (CPU) at a hidden size of KERNELS_WIDTH or more, where they
+    decode faster (prefill is 7-8% slower there: one dequantized tile per product); "dequantized" otherwise."""
     free = available if available is not None else available_memory()
-    return "dequantized" if dequantized_bytes(model) <= free // 4 else "stored"
+    if dequantized_bytes(model) > free // 4:
+        return "stored"
+    quantized = any(m.quantized for m in model.modules() if isinstance(m, Linear))
+    kernels = torch.device(device).type == "cpu" and native.available()
+    return "stored" if quantized and kernels and model.cfg.hidden_size >= KERNELS_WIDTH else "dequantized"
 
 
 def available_memory() -> int:

@@ -18,9 +18,10 @@ from typing import Callable, Sequence
 
 from openflash.errors import OpenflashError
 
-WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights: fastest), stored (only the stored bytes "
-                "resident, dequantized tile by tile: memory = checkpoint size), auto (dequantized when that fits in a "
-                "quarter of the available memory; the default)")
+WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights), stored (only the stored bytes resident, "
+                "computed by the native kernels up to 16 rows, dequantized tile by tile beyond: memory = checkpoint "
+                "size), auto (the default: stored where the kernels decode a quantized model of hidden size 256 or "
+                "more faster, or where the fp32 copies would take over a quarter of the available memory)")
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     """Resolve "module:function" lazily, at run time."""
