@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--delete", action="store_true", help="delete the checkpoint afterwards")
     ap.add_argument("--per-expert-calls", action="store_true",
                     help="the routed experts one native call per expert and projection, not one per layer (A/B)")
+    ap.add_argument("--direct-io", action="store_true", help="read the experts with O_DIRECT (--expert-direct-io)")
     ap.add_argument("--out", default=str(RESULTS / "released_width.json"))
     args = ap.parse_args()
     if args.per_expert_calls:
@@ -105,7 +106,8 @@ def main() -> None:
     dense_resident = resident_bytes(model)
     budget = int(args.budget_gib * GiB)
     cache = max(0, budget - dense_resident - 2 * GiB)  # 2 GiB for work buffers, the runtime and the Engram tier
-    store = ExpertStore(folder, model.cfg, model.numerics, "disk", cache_bytes=cache, io_threads=8)
+    store = ExpertStore(folder, model.cfg, model.numerics, "disk", cache_bytes=cache, io_threads=8,
+                        direct_io=args.direct_io)
     rt = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, folder=folder)
     rt.place_engram("disk", cache_bytes=64 << 20)  # the folder's engram_tables/
     print(f"dense weights resident {dense_resident / GiB:.2f} GiB; expert cache {cache / GiB:.2f} GiB; budget "
