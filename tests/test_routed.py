@@ -48,7 +48,9 @@ def _paths(moe: MoE, x, weights, ids, counts, shared) -> dict[str, torch.Tensor]
     stack = lambda chosen: tuple(torch.stack([getattr(moe.experts[e], name).dequantized_weight() for e in chosen])  # noqa: E731
                                  for name in ("w1", "w3", "w2"))
     in_model = functools.partial(moe._native_experts, lambda chosen: {e: every[e] for e in chosen})
-    paths = {"native": routed.native(x, weights, ids, in_model, lambda y: y, shared)} \
+    every_expert = functools.partial(moe._native_experts, None)  # the decode graph's call: by expert id, slot order
+    paths = {"native": routed.native(x, weights, ids, in_model, lambda y: y, shared),
+             "native static": routed.native(x, weights, ids, every_expert, lambda y: y, shared, static=True)} \
         if first.w1.storage == "fp4" and native.status().available else {}
     return paths | {
         "batched": routed.batched(x, weights, ids, counts, stack, swiglu, shared),
@@ -76,7 +78,7 @@ def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
                               shared)
         got = _paths(moe, x, weights, ids, counts, shared)
     untested = {"native"} if storage == "float" or not native.status().available else set()  # FP4 experts only
-    assert set(got) | {"grouped"} | untested == set(routed.ROUTED_PATHS)
+    assert {path.split()[0] for path in got} | {"grouped"} | untested == set(routed.ROUTED_PATHS)
     for path, y in got.items():
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{path}: {m}")
 
@@ -94,3 +96,4 @@ def test_choose_takes_the_calls_facts():
     assert routed.choose(FP32, **{**stored, "pairs": routed.NATIVE_PAIRS + 1}) == "grouped"
     assert routed.choose(FP32, **{**stored, "offloaded": True}) == "native"  # from an ExpertSource too
     assert routed.choose(FP32, **{**stored, "offloaded": True, "pairs": routed.NATIVE_PAIRS + 1}) == "offloaded"
+    assert routed.choose(FP32, **{**stored, "static": True, "pairs": 96}) == "native"  # the decode graph: any pairs

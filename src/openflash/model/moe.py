@@ -187,8 +187,7 @@ class MoE(nn.Module, NumericsMixin):
         elif path == "native":
             fetch = self._fetch(ctx) if offloaded else (lambda chosen: {e: self.experts[e] for e in chosen})
             y = routed.native(x, weights, ids, partial(self._native_experts, fetch),
-                              ctx.experts.combine if offloaded else (lambda routed_sum: routed_sum), shared,
-                              static=ctx.static)
+                              ctx.experts.combine if offloaded else (lambda routed_sum: routed_sum), shared)
         elif path == "sorted":
             y = routed.sorted_pairs(x, weights, ids, counts, self.experts, shared, every=self.every_expert)
         elif path == "batched":
