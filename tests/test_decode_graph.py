@@ -105,9 +105,15 @@ def test_steps_that_cannot_be_one_graph_say_why(tiny):
 
 
 def test_stored_weights_without_kernels_run_decode_on_the_per_kernel_path(monkeypatch):
-    """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency) and no native kernels: not one graph."""
+    """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency) and no native kernels, or more routed
+    experts as stored than a graph takes as inputs: not one graph."""
     model = open_model("tests/goldens/A2", weights="stored").model
     cache = model.new_cache(1)
+    if native.status().available:
+        assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
+        monkeypatch.setattr(decode_graph, "STORED_EXPERTS_IN_GRAPH", 4)  # A2 has 8 a layer
+        assert DecodeGraph(model).why_not(cache, None, None, False, None) == \
+            "more than 4 routed experts a layer kept as stored"
     monkeypatch.setenv("OPENFLASH_KERNELS", "0")
     native.status.cache_clear()
     try:

@@ -247,9 +247,10 @@ class MoE(nn.Module, NumericsMixin):
 
     def _native_call(self, x: torch.Tensor, experts: list["Expert"], token: torch.Tensor, index: torch.Tensor,
                      weight: torch.Tensor) -> torch.Tensor:
-        """The native kernels' experts call (kernels/native.py `fp4_experts`) on these experts' stored bytes."""
+        """The native kernels' experts call (kernels/native.py `fp4_experts`) on these experts' stored bytes (the
+        tensors as they are, of one-byte elements: no view per expert, which a whole-step graph would trace)."""
         def stored(name: str, part: str) -> list[torch.Tensor]:
-            return [formats.as_uint8(getattr(getattr(e, name), part)) for e in experts]
+            return [getattr(getattr(e, name), part) for e in experts]
 
         return native_kernels.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
                                           stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),
