@@ -18,7 +18,7 @@ static const uint16_t FP4_BF16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x
                                       0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
                                       0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 /* Weight bytes ahead of the decoder a software prefetch asks for: the hardware's stream prefetcher alone left the
- * long rows (K = 5120, 8192) a quarter to a third slower (measured: docs/benchmarks.md). */
+ * long rows (K = 5120, 8192) slower (docs/benchmarks.md). */
 #define PREFETCH_BYTES 1024
 
 static const uint16_t E4M3_SUBNORMAL_BF16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};

@@ -118,8 +118,8 @@ def _run(name: str, x: torch.Tensor, *args) -> None:
         raise RuntimeError(f"{name} refused its arguments (code {code}): x {tuple(x.shape)}")
 
 
-# ---- the products: torch custom ops inside a traced graph, the calls themselves in eager mode (the dispatcher
-# costs some 20 us a call, which a decode step of hundreds of products would pay) ---------------------------------
+# ---- the products: torch custom ops inside a traced graph, the calls themselves in eager mode (the dispatcher's
+# cost per call would be paid by the hundreds of products a decode step makes) ---------------------------------
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, codes_per_byte: int,
            scale_rows: int) -> None:
@@ -248,8 +248,8 @@ def _experts_fake(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor
 def _register_ops() -> torch.library.Library:
     """openflash::fp8_gemv, fp4_gemv, bf16_gemv and fp4_experts: the products above as graph nodes (CPU kernels),
     each with the fake implementation that gives a traced graph its output's shape. Defined with torch.library's
-    Library, not custom_op: a compiled decode step calls them by the hundred, and custom_op's wrapper costs about
-    9 us more a call. The returned Library keeps the registrations alive."""
+    Library, not custom_op: a compiled decode step calls them by the hundred, and custom_op's wrapper adds to
+    each call. The returned Library keeps the registrations alive."""
     library = torch.library.Library("openflash", "DEF")
     quantized = "(Tensor x, Tensor weight, Tensor scale, bool act_qdq) -> Tensor"
     library.define("fp8_gemv" + quantized)
