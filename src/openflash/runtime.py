@@ -30,10 +30,8 @@ import torch
 from tokenizers import Tokenizer
 
 from openflash.errors import CheckpointError, OpenflashError, RequestError
-from openflash.files.manifest import file_sha256
-from openflash.files.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
-from openflash.files.peft import ENGRAM_ROWS_FILE, adapter_folder, read_adapter
-from openflash.files.manifest import verify_manifest
+from openflash.files.manifest import folder_fingerprint, verify_manifest
+from openflash.files.peft import ENGRAM_ROWS_FILE, adapter_folder, check_base, read_adapter
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
@@ -71,7 +69,7 @@ class Runtime:
     # one per numerics policy and weight residency (a graph reads the weights as the residency keeps them)
     graphs: dict[tuple[Numerics, str], DecodeGraph] = field(default_factory=dict, repr=False)
     adapters: AdapterSelection | None = None  # served LoRA adapters (load_adapters); a step's rows pick theirs
-    adapter_keys: list[int] = field(default_factory=list)  # per adapter: a digest of its weights (prefix-cache keys)
+    adapter_keys: list[int] = field(default_factory=list)  # per adapter: a digest of its product (prefix-cache keys)
     _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # exported tables, disk tier
 
     @classmethod
@@ -139,19 +137,29 @@ class Runtime:
                                           probe=probe, all_logits=all_logits, experts=self.experts, lengths=lengths)
 
     # ---- LoRA adapters --------------------------------------------------------------------------------------------
-    def load_adapters(self, named: dict[str, str | Path]) -> None:
+    def load_adapters(self, named: dict[str, str | Path], verify: bool = False) -> None:
         """Serve the LoRA adapters `named` (name -> a PEFT adapter folder, or a `train --lora` run: its latest
-        checkpoint) beside the base model; a request picks one by name (`adapter_slot`). Once per runtime."""
+        checkpoint) beside the base model; a request picks one by name (`adapter_slot`). Once per runtime.
+        Each is checked whole before any is attached (files/peft.py read_adapter: finite weights and alpha), and
+        refused where it records another base; verify: first each folder against its checksums.sha256."""
         if self.adapters is not None:
             raise OpenflashError("this runtime serves adapters already; load them all in one call")
-        loaded = {}
+        loaded, keys = {}, []
+        base_fingerprint = folder_fingerprint(self.folder) if self.folder is not None else None
         for name, path in named.items():
-            folder = adapter_folder(path)
-            if (folder / ENGRAM_ROWS_FILE).is_file():
-                raise OpenflashError(f"--lora {name}: {folder} also trained Engram rows ({ENGRAM_ROWS_FILE}), which "
-                                     f"adapters served per request do not carry; serve `openflash lora merge` of it")
-            loaded[name] = read_adapter(folder)
-            self.adapter_keys.append(int(file_sha256(folder / ADAPTER_WEIGHTS)[:14], 16))
+            try:
+                folder = adapter_folder(path)
+                if verify:
+                    verify_manifest(folder)
+                if (folder / ENGRAM_ROWS_FILE).is_file():
+                    raise OpenflashError(f"{folder} also trained Engram rows ({ENGRAM_ROWS_FILE}), which adapters "
+                                         f"served per request do not carry; serve `openflash lora merge` of it")
+                adapter = read_adapter(folder)
+                check_base(adapter, folder, self.folder, base_fingerprint)
+            except OpenflashError as exc:
+                raise OpenflashError(f"--lora {name}: {exc}") from None
+            loaded[name] = adapter
+            keys.append(int(adapter.key[:14], 16))  # salts the prefix cache: config and weights alike
         experts = [(n, m) for n, a in loaded.items() for m in a.weights if ".ffn.experts." in m]
         if experts and self.experts is not None:
             raise OpenflashError(f"--lora: adapter {experts[0][0]!r} adapts routed experts ({experts[0][1]}, ...), "
@@ -161,6 +169,7 @@ class Runtime:
             self.adapters = attach_adapters(self.model, loaded)
         except ValueError as exc:
             raise OpenflashError(f"--lora: {exc} (an adapter trained on another model?)") from None
+        self.adapter_keys = keys
 
     @property
     def adapter_names(self) -> list[str]:

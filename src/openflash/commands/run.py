@@ -45,7 +45,7 @@ def generate(args: Any) -> int:
                         skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
                         expert_group=group, compile=args.compile)
     if args.lora is not None:
-        loaded.load_adapters({"adapter": args.lora})
+        loaded.load_adapters({"adapter": args.lora}, verify=args.verify)
     if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
         import contextlib
         import io
@@ -179,7 +179,7 @@ def serve(args: Any) -> int:
                         compile=args.compile, expert_group=group)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     if args.lora:
-        loaded.load_adapters(lora_modules(args.lora, name))
+        loaded.load_adapters(lora_modules(args.lora, name), verify=args.verify)
         log.info("LoRA adapters: %s (a request's \"model\" picks one)", ", ".join(loaded.adapter_names))
     model, tokenizer, note = loaded.model, loaded.tokenizer, loaded.note
     if args.model in PRESETS:

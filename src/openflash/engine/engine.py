@@ -41,7 +41,7 @@ from openflash.engine.prefix_cache import RESTORE_MODES, PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
                                       validate_prompt)
 from openflash.engine.runner import PREFILL_MODES, ChunkTask, ModelRunner, ModelRuntime
-from openflash.engine.sampling import SamplerState, SamplingParams, sample
+from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample
 from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.model.lora import BASE
@@ -128,7 +128,7 @@ class EngineRuntime(ModelRuntime, Protocol):
     detokenizes outputs, why steps cannot run now, and counters for /metrics."""
 
     tokenizer: Tokenizer
-    adapter_keys: list[int]  # per served LoRA adapter slot: a digest of its weights
+    adapter_keys: list[int]  # per served LoRA adapter slot: a digest of what it computes
     adapter_names: list[str]  # the served LoRA adapters, in slot order
 
     def adapter_slot(self, name: str | None) -> int:
@@ -411,6 +411,8 @@ class LLMEngine:
             pc.insert(seq.key_ids, boundary, seq.cache)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        if token == NO_TOKEN:  # its logits were not finite: this request fails, the others in its batch go on
+            return self._fail([seq], NonFiniteLogits(), "sampling")[0][1]
         now = time.perf_counter()
         out = seq.append_token(token, self.tokenizer.decode, now)
         self.metrics.record_token(seq, now)

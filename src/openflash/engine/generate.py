@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from openflash.engine.sampling import SamplerState, SamplingParams, find_stop, sample
+from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.runtime import Runtime
 from openflash.vision.preprocess import ImageSource
@@ -81,6 +81,8 @@ def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, 
     start = time.perf_counter()
     while True:
         token = int(sample(logits, [state])[0])
+        if token == NO_TOKEN:
+            raise OpenflashError(f"{NonFiniteLogits()} (after {len(out)} generated tokens)")
         out.append(token)
         if token in params.stop_token_ids or token == model.cfg.eos_token_id:
             finish, text = "stop", tokenizer.decode(out[:-1])

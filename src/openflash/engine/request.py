@@ -85,7 +85,7 @@ class Sequence:
     images: list[PromptImage] = field(default_factory=list)  # image spans of the prompt (their rows: the runner)
     key_ids: list[int] = field(default_factory=list)  # what the prefix cache hashes: prompt ids + image digests
     adapter: int = BASE  # the LoRA adapter slot its rows run with (runtime.adapter_slot)
-    adapter_key: int = 0  # a digest of that adapter's weights, mixed into key_ids: its prefixes are its own
+    adapter_key: int = 0  # a digest of what that adapter computes, mixed into key_ids: its prefixes are its own
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # the error is a storage tier's (RequestOutput.unavailable)

@@ -79,12 +79,27 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+NO_TOKEN = -1  # what `sample` gives a row whose logits hold NaN or inf: that request fails, its batch does not
+
+
+class NonFiniteLogits(RuntimeError):
+    """A request's logits held NaN or inf (a poisoned adapter, an overflow): nothing can be sampled from them."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's logits for this request hold NaN or inf values (a LoRA adapter or input that "
+                         "overflows?); nothing can be sampled from them")
+
+
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """One token per row of logits [B, V]; row b follows states[b]."""
+    """One token per row of logits [B, V]; row b follows states[b]. A row whose logits are not all finite gets
+    NO_TOKEN (and draws nothing from its generator): one request's NaN must not fail the others."""
     out = torch.empty(logits.shape[0], dtype=torch.long)
     greedy = logits.argmax(dim=-1).cpu()
+    finite = torch.isfinite(logits).all(dim=-1).cpu()
     for b, state in enumerate(states):
-        if state.params.greedy:
+        if not finite[b]:
+            out[b] = NO_TOKEN
+        elif state.params.greedy:
             out[b] = greedy[b]
         else:
             probs = filtered_probs(logits[b].cpu(), state.params)

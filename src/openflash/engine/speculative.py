@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openflash.engine.sampling import SamplerState, filtered_probs, sample
+from openflash.engine.sampling import NO_TOKEN, SamplerState, filtered_probs, sample
 
 
 @dataclass
@@ -54,7 +54,10 @@ class DraftChooser:
 def accept(target_logits: torch.Tensor, drafts: list[int], state: SamplerState,
            draft_q: list[torch.Tensor] | None) -> Acceptance:
     """Verify one row: target_logits [K+1, V] after the anchor and each draft; drafts d_1..d_K; draft_q the
-    distributions they were sampled from (None for greedy)."""
+    distributions they were sampled from (None for greedy). Logits holding NaN or inf accept nothing and commit
+    NO_TOKEN (the engine fails that request alone)."""
+    if not bool(torch.isfinite(target_logits).all()):
+        return Acceptance(len(drafts), 0, [NO_TOKEN])
     if state.params.greedy:
         target = target_logits.argmax(-1).tolist()
         k = 0

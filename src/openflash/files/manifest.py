@@ -91,3 +91,23 @@ def verify_manifest(folder: str | Path, on_bytes: Callable[[int], None] | None =
     if bad:
         raise OpenflashError(f"{folder}: {len(bad)} of {len(entries)} files fail verification: " + "; ".join(bad))
     return VerifyReport(folder, len(entries), total)
+
+
+_SAMPLE_BYTES = 1 << 20
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """Which checkpoint a folder holds, cheaply: config.json and, of each weight file, its name, size and three
+    sampled MiB (start, middle, end). Not an integrity check (`verify_manifest` is): it tells two checkpoints apart,
+    a training run's steps included, without reading the weights, and does not change when a manifest is added."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and (p.suffix == ".safetensors"
+                                                                         or p.name == "config.json")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for start in sorted({0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)}):
+                f.seek(start)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from openflash import formats
-from openflash.checkpoint import load_checkpoint, save_checkpoint
+from openflash.checkpoint import checkpoint_folder, load_checkpoint, save_checkpoint
 from openflash.errors import OpenflashError
-from openflash.files.manifest import MANIFEST_FILE
-from openflash.files.peft import adapter_folder, read_adapter, read_engram_rows
+from openflash.files.manifest import MANIFEST_FILE, folder_fingerprint
+from openflash.files.peft import adapter_folder, check_base, read_adapter, read_engram_rows
+from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE
 from openflash.files.shards import INDEX_FILE
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
@@ -61,10 +62,17 @@ def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path) -> Mer
     """Fold the adapter (a PEFT folder or `train --lora` run) into the checkpoint `base`, written to the new folder
     `out` with the base's other files (tokenizer, token map)."""
     base, out = Path(base), Path(out)
+    if out.exists() and not out.is_dir():
+        raise OpenflashError(f"{out} is a file; the merged checkpoint goes to a new folder")
     if out.exists() and any(out.iterdir()):
         raise OpenflashError(f"{out} already exists and is not empty; the merged checkpoint goes to a new folder")
+    if out.resolve().parent.name == CHECKPOINTS_DIR:
+        raise OpenflashError(f"{out} lies in a training run's {CHECKPOINTS_DIR}/ folder, where it would pass for "
+                             f"that run's latest step; write the merged checkpoint elsewhere")
     folder = adapter_folder(adapter)
     lora = read_adapter(folder)
+    base = checkpoint_folder(base)
+    check_base(lora, folder, base, folder_fingerprint(base))
     model, _ = load_checkpoint(base, weights="stored")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     rounding_max, rounding_sum, count, update_max = 0.0, 0.0, 0, 0.0
@@ -80,7 +88,9 @@ def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path) -> Mer
         rounding_sum, count = rounding_sum + float(error.sum()), count + error.numel()
     rows = _merge_engram_rows(model, read_engram_rows(folder), folder)
     out.mkdir(parents=True, exist_ok=True)
-    own = {"config.json", INDEX_FILE, MANIFEST_FILE}
+    # A merge is a checkpoint, not a training run's step: the base's trainer state would make it one (a merge
+    # written into a run's checkpoints/ would become what --resume continues).
+    own = {"config.json", INDEX_FILE, MANIFEST_FILE, STATE_FILE}
     for extra in base.iterdir():  # tokenizer, token map, generation config: as the base has them
         if extra.is_file() and extra.name not in own and not extra.name.endswith(".safetensors"):
             shutil.copy(extra, out / extra.name)
