@@ -113,7 +113,8 @@ def test_lora_sharded_over_two_processes_matches_one(tmp_path: Path) -> None:
     for a, b in zip(single_records, multi["records"]):
         assert abs(a["loss_exact"] - b["loss_exact"]) < 1e-5, (a["loss_exact"], b["loss_exact"])
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_00000002").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "checksums.sha256", "tokenizer.json", "trainer_state.pt"]
+        "adapter_config.json", "adapter_model.safetensors", "base_model.json", "checksums.sha256", "tokenizer.json",
+        "trainer_state.pt"]
     one, two = (read_adapter(tmp_path / run / "checkpoints" / "step_00000002").weights for run in ("one", "two"))
     assert one.keys() == two.keys()
     for name, (a, b) in one.items():  # two Adam steps: about lr * sign(g) each, signs of near-zero entries may flip

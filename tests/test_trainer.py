@@ -70,6 +70,8 @@ def _fit(dataset: Path, out: Path, on_step=None, **overrides) -> tuple[Trainer, 
 
     args = dict(SMALL_RUN, data=str(dataset), out=str(out))
     args.update(overrides)
+    if args.get("init") is not None:  # a fine-tuning run's config is its --init's
+        args.pop("config", None)
     trainer = Trainer(TrainConfig(**args), on_step=hook)
     trainer.fit()
     return trainer, records

@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # train / demo / generate / plot ------------------------------------------------------------------------
     train = _add(sub, "train", "openflash.commands.train:train", "train a model on prepared data")
-    train.add_argument("--config", default="small", help="preset name or config.json path")
+    train.add_argument("--config", default=None, help="preset name or config.json path of a new model (default "
+                       "small; a run with --init takes its model's)")
     train.add_argument("--data", default=None, help="folder written by `openflash data prepare` (required, except "
                        "with --dspark, which defaults to the --init run's)")
     train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-verify", dest="verify", action="store_false",
                        help="with --resume: skip checking the checkpoint against its checksums.sha256 (checked by "
                             "default: the run wrote them itself)")
+    train.add_argument("--verify", dest="verify_init", action="store_true",
+                       help="with --init: first check the checkpoint against its checksums.sha256 (a damaged base "
+                            "would be trained on, and a full fine-tune's checkpoints would record fresh checksums)")
     train.add_argument("--seed", type=int, default=0, help="random seed")
     train.add_argument("--compile", action="store_true",
                        help="each block's forward and backward through torch.compile, same math (needs a C++ "
@@ -303,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="drafts verified per round (default: the drafter's block size)")
     gen.add_argument("--verify", action="store_true",
-                     help="check the checkpoint against its checksums.sha256 first (loading does not, unless asked)")
+                     help="check the checkpoint and the --lora adapter against their checksums.sha256 first (loading "
+                          "does not, unless asked)")
 
     serve = _add(sub, "serve", "openflash.commands.run:serve", "run the OpenAI-compatible HTTP server")
     serve.add_argument("--model", required=True, help="checkpoint folder or preset name")
@@ -345,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--numerics", default="fp32", choices=["fp32", "plain"],
                        help="fp32: the model's FP8/FP4 quantization points; plain: no quantization")
     serve.add_argument("--verify", action="store_true",
-                       help="check the checkpoint (and --engram-table-dir) against their checksums.sha256 first")
+                       help="check the checkpoint, every --lora adapter (and --engram-table-dir) against their "
+                            "checksums.sha256 first")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: the "
                             "OPENFLASH_API_KEY environment variable; /health and /metrics stay open, /docs and "

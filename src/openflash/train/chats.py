@@ -10,7 +10,8 @@ chat template, chat/: V4.1 for the released vocabulary, simple otherwise; thinki
 `reasoning_content`), tokenized on its own as the server does, then what the model writes for the turn
 (`reply_text`: reasoning, answer, tool calls, EOS). Only the reply's tokens are trained on: the loss mask, one byte
 per token beside the token shards (`{split}_mask_NNNNN.bin`), is 1 there and 0 on the prompt. The folder is the
-layout of train/dataset.py with `loss_mask` set in its manifest; a bad line is refused naming file, line and field.
+layout of train/dataset.py with `loss_mask` set in its manifest. Bad lines (not JSON, too long, nested too deep, lone
+surrogates, a bad field) are all named with file, line and field, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -28,18 +29,28 @@ from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions, ImagePart, Turn, check_tool
 from openflash.errors import OpenflashError, RequestError
 from openflash.files.atomic import write_json_atomic
-from openflash.files.jsonl import jsonl_records
+from openflash.files.jsonl import BadLine, jsonl_lines
 from openflash.serve.chat import conversation
-from openflash.serve.protocol import ChatMessage
+from openflash.serve.protocol import ChatMessage, json_problem
 from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
 from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo,
                                      token_dtype)
 from openflash.train.prepare import SplitWriter, check_eos, is_validation
 from openflash.train.tokenizer import EOS_ID
 
+MAX_NAMED = 20  # bad lines listed in the error (the count says how many more)
+# One conversation: 4 MiB of text is about a million tokens, the released context; each assistant turn renders and
+# tokenizes the turns before it, so a longer line would cost memory and time far past what it could train.
+MAX_CHAT_LINE_BYTES = 4 << 20
+
+
 def parse_conversation(raw: Any, where: str) -> tuple[list[Turn], ChatOptions]:
     """A JSONL record as turns and options (tools), read as the server reads a request's messages
     (serve/protocol.py ChatMessage, serve/chat.py conversation); OpenflashError naming `where` and the field."""
+    problem = json_problem(raw)  # nesting that recursion cannot walk, lone surrogates no tokenizer can encode
+    if problem is not None:
+        _, template, context = problem
+        raise OpenflashError(f"{where}: {template.format(**context)}")
     try:
         if not isinstance(raw, dict) or not isinstance(raw.get("messages"), list) or not raw["messages"]:
             raise RequestError("expected an object with a non-empty 'messages' list", param="messages")
@@ -102,15 +113,28 @@ def prepare_chats(sources: Sequence[str | Path], tokenizer_spec: str | Path, out
         fresh = {"shard_index": 0, "shard_fill": 0, "num_docs": 0}
         tokens = {s: SplitWriter(work, s, dtype, shard_tokens, dict(fresh)) for s in SPLITS}
         masks = {s: SplitWriter(work, f"{s}_mask", np.dtype("u1"), shard_tokens, dict(fresh)) for s in SPLITS}
-        conversations = 0
+        conversations, bad = 0, []
         for source in sources:
-            for where, raw in jsonl_records(source):
-                turns, options = parse_conversation(raw, where)
+            for where, raw in jsonl_lines(source, MAX_CHAT_LINE_BYTES):
+                try:
+                    if isinstance(raw, BadLine):
+                        raise OpenflashError(str(raw))
+                    turns, options = parse_conversation(raw, where)
+                    examples = chat_examples(turns, options, fmt, tokenizer, where)
+                except OpenflashError as exc:  # every bad line is named, then nothing is written
+                    bad.append(str(exc))
+                    continue
+                if bad:
+                    continue
                 split = "val" if is_validation(f"{Path(where).name}", seed, val_fraction) else "train"
-                for prompt, reply in chat_examples(turns, options, fmt, tokenizer, where):
+                for prompt, reply in examples:
                     tokens[split].add(np.array(prompt + reply, dtype=dtype))
                     masks[split].add(np.array([0] * len(prompt) + [1] * len(reply), dtype="u1"))
                 conversations += 1
+        if bad:
+            shown = "\n  ".join(bad[:MAX_NAMED])
+            more = f"\n  ... and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
+            raise OpenflashError(f"{len(bad)} bad line(s); nothing was written:\n  {shown}{more}")
         infos: dict[str, SplitInfo] = {}
         for split in SPLITS:
             infos[split] = tokens[split].finish()

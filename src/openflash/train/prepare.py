@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +43,51 @@ DEFAULT_SHARD_TOKENS = 16 * 1024 * 1024
 FILES_PER_UNIT = 64  # a unit ends after this many files or UNIT_BYTES of text, whichever comes first
 UNIT_BYTES = 16 * 1024 * 1024
 ENCODINGS = ("latin-1", "utf-8", "utf-8-sig")
+
+
+ENCODE_CHARS = 1 << 20  # text per tokenizer call: the call holds ~125x its text (encodings, offsets, strings)
+_PIECE_CUT = re.compile(r"\n(?=\S)")
+
+
+def text_pieces(text: str, size: int = ENCODE_CHARS) -> list[str]:
+    """`text` cut into pieces of at least `size` characters (the last may be shorter), each cut just after a newline
+    that a non-space character follows. No pre-tokenizer of the byte-level BPE family (GPT-2's, DeepSeek's) joins
+    text across such a point, so the pieces' tokens, concatenated, are the whole text's tokens."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = _PIECE_CUT.search(text, start + size)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.end()])
+        start = cut.end()
+    pieces.append(text[start:])
+    return pieces
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype,
+                 chars: int = ENCODE_CHARS) -> list[np.ndarray]:
+    """Each text's token ids, encoded in batches of at most `chars` characters of pieces (`text_pieces`), so
+    memory stays bounded by that, not by the largest document."""
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    batch: list[tuple[int, str]] = []
+
+    def flush() -> None:
+        encoded = tokenizer.encode_batch_fast([piece for _, piece in batch], add_special_tokens=False)
+        for (doc, _), enc in zip(batch, encoded):
+            parts[doc].append(np.array(enc.ids, dtype=dtype))
+        batch.clear()
+
+    size = 0
+    for doc, text in enumerate(texts):
+        for piece in text_pieces(text, chars):
+            if batch and size + len(piece) > chars:
+                flush()
+                size = 0
+            batch.append((doc, piece))
+            size += len(piece)
+    if batch:
+        flush()
+    return [np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in parts]
 
 
 class PreparationStopped(Exception):
@@ -321,14 +367,13 @@ def _tokenize(files: list[tuple[int, SourceFile]], tokenizer: Tokenizer, out_dir
                 text, how = read_text_file(f.path)
                 unit.append((f, text, how))
                 unit_bytes += len(text) if text is not None else 0
-            texts = [text for _, text, _ in unit if text is not None]
-            encodings = iter(tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+            encodings = iter(encode_texts(tokenizer, [text for _, text, _ in unit if text is not None], dtype))
             for f, text, how in unit:
                 if text is None:  # recorded by absolute path, so the record does not depend on the cwd
                     state["skipped"].append({"path": str(f.path.resolve()), "reason": how})
                     continue
                 state["encodings"][how] += 1
-                ids = np.array(next(encodings).ids + [EOS_ID], dtype=dtype)
+                ids = np.append(next(encodings), np.array([EOS_ID], dtype=dtype))
                 split = "val" if is_validation(f.rel, args["seed"], args["val_fraction"]) else "train"
                 writers[split].add(ids)
             # Commit: data first, then the record of it.

@@ -39,11 +39,11 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from openflash.checkpoint import build_model, save_checkpoint
-from openflash.config import FlashConfig, load_config
+from openflash.checkpoint import build_model, checkpoint_folder, save_checkpoint
+from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import OpenflashError
-from openflash.files.manifest import verify_manifest, write_manifest
-from openflash.files.peft import read_adapter, read_engram_rows, write_adapter, write_engram_rows
+from openflash.files.manifest import folder_fingerprint, verify_manifest, write_manifest
+from openflash.files.peft import BASE_FILE, read_adapter, read_engram_rows, write_adapter, write_engram_rows
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
@@ -77,7 +77,7 @@ log = logging.getLogger("openflash.train")
 class TrainConfig:
     data: str  # folder written by `openflash data prepare`
     out: str  # run folder
-    config: str = "small"  # preset name or config.json
+    config: str | None = None  # preset name or config.json of a new model (default small); with init: none
     steps: int = 1000
     batch_size: int = 8  # global, split across ranks
     seq_len: int = 256
@@ -100,6 +100,7 @@ class TrainConfig:
     adaptive_threads: bool = False  # re-pick the torch thread count from step times (shared machines; see ThreadTuner)
     resume: bool = False
     verify: bool = True  # a resumed run first checks its checkpoint against the checksums.sha256 it wrote
+    verify_init: bool = False  # check the init checkpoint against its checksums.sha256 before training on it
     seed: int = 0
     progress: bool = True
     compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
@@ -111,6 +112,13 @@ class TrainConfig:
     train_engram: bool = False  # with lora: the Engram rows batches touch train too (sparse, model/engram_rows.py)
 
     def __post_init__(self) -> None:
+        if self.init is not None and self.config is not None:
+            raise OpenflashError(f"--config {self.config} with --init {self.init}: a fine-tuning run takes its model's "
+                                 f"config from --init; leave --config out")
+        if self.init is None and self.config is None:
+            self.config = "small"
+        if self.verify_init and self.init is None:
+            raise OpenflashError("--verify checks the --init checkpoint; this run has none")
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -216,12 +224,14 @@ class Trainer:
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
         self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
         frontend, runtime = None, None
-        if cfg.lora is not None:  # the base is read from --init on every start; checkpoints hold the adapters
-            runtime = lora_model(cfg.init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
+        self.base = self._base() if cfg.init is not None else None  # {"path", "fingerprint"}; None: a preset
+        init = self.base["path"] if self.base is not None else cfg.init
+        if cfg.lora is not None:  # the base is read on every start (the one it began on); checkpoints hold adapters
+            runtime = lora_model(init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
                                  cfg.train_engram)
             self.model, self.model_cfg, self.token_map_file = runtime.model, runtime.cfg, None
         elif cfg.init is not None and self.resume_from is None:
-            self.model, frontend, init_folder = init_model(cfg.init, self.train_data, numerics)
+            self.model, frontend, init_folder = init_model(init, self.train_data, numerics)
             self.model_cfg = self.model.cfg
             self.token_map_file = find_token_map_file(init_folder) if init_folder is not None else None
         else:
@@ -274,6 +284,36 @@ class Trainer:
         elif not self.sharded:
             self.ctx.broadcast_module_(self.model)
 
+    def _base(self) -> dict[str, str] | None:
+        """The checkpoint this run fine-tunes, as {"path", "fingerprint"} (None for a preset). A resumed LoRA run
+        keeps the base it started on, although --init (a run folder) may resolve to a newer checkpoint now; the
+        recorded one is refused if its files changed. --verify: checked against its checksums first."""
+        cfg = self.cfg
+        recorded = None
+        if self.resume_from is not None and cfg.lora is not None and (self.resume_from / BASE_FILE).is_file():
+            recorded = read_adapter(self.resume_from).base
+        if recorded is None and cfg.init in PRESETS:
+            return None
+        folder = Path(recorded["path"]) if recorded is not None else checkpoint_folder(cfg.init)
+        if recorded is not None:
+            if not folder.is_dir():
+                raise OpenflashError(f"--resume: the base this run started on, {folder} "
+                                     f"({self.resume_from / BASE_FILE}), is gone")
+            now = checkpoint_folder(cfg.init) if cfg.init not in PRESETS else None
+            if now is not None and now.resolve() != folder.resolve():
+                log.warning("--resume: continuing on the base this run started on, %s (--init %s now means %s)",
+                            folder, cfg.init, now)
+        if cfg.verify_init:
+            try:
+                verify_manifest(folder)
+            except OpenflashError as exc:
+                raise OpenflashError(f"--verify: {exc}") from None
+        fingerprint = folder_fingerprint(folder)
+        if recorded is not None and recorded["fingerprint"] != fingerprint:
+            raise OpenflashError(f"--resume: the base this run started on, {folder}, has changed since (its "
+                                 f"fingerprint differs from {self.resume_from / BASE_FILE}'s)")
+        return {"path": str(folder.resolve()), "fingerprint": fingerprint}
+
     # ---- public ---------------------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint and return from fit() (what Ctrl-C does)."""
@@ -291,7 +331,8 @@ class Trainer:
             resumed = self.resume_from is not None
             self.run.start(None if resumed else json.dumps(self.model_cfg.to_hf_dict(), indent=2) + "\n", self.step,
                            asdict(cfg), {"event": "resume" if resumed else "start", "at_step": self.step,
-                                         "world_size": ctx.world_size, "config": cfg.config,
+                                         "world_size": ctx.world_size,
+                                         "config": cfg.config if self.base is None else self.base["path"],
                                          "params": sum(p.numel() for p in self.model.parameters())})
         if self.step == 0 and self.resume_from is None and self.eval_set:
             self._evaluate_and_log()
@@ -502,7 +543,7 @@ class Trainer:
         def write(folder: Path) -> None:
             if self.cfg.lora is not None:
                 write_adapter(folder, adapters, self.cfg.lora, lora_alpha(self.cfg.lora, self.cfg.lora_alpha),
-                              self.cfg.init)
+                              self.cfg.init, self.base)
                 if self.trained_rows:
                     write_engram_rows(folder, {n: r.state_dict() for n, r in self.trained_rows.items()})
                 shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
