@@ -26,6 +26,7 @@ import torch
 from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.tools.demo import PROMPTS
 
@@ -107,7 +108,7 @@ def main() -> None:
         print(f"trained a drafter for {args.init}: {summary['steps']} steps, greedy agreement "
               f"{summary['first']['greedy_agreement']:.2f} -> {summary['last']['greedy_agreement']:.2f}")
         args.model = scratch.name
-    rt = open_model(args.model, weights="dequantized")
+    rt = open_model(args.model, placement=Placement(weights="dequantized"))
     if rt.cfg.dspark is None:
         sys.exit(f"{args.model} has no DSpark head (train one: openflash train --dspark --init RUN --out DIR)")
     tok = rt.tokenizer

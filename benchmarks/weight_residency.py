@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import open_model, resident_bytes
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.tools.synth import synthesize
 
@@ -56,7 +57,8 @@ def main() -> None:
                  f"released width, {args.layers} layers x {args.experts} experts":
                      synthesize("flash", Path(tmp) / "b", layers=args.layers, experts=args.experts, vision=False)}
         for name, report in cases.items():
-            models = {w: open_model(str(report.folder), weights=w) for w in ("dequantized", "stored")}
+            models = {w: open_model(str(report.folder), placement=Placement(weights=w))
+                      for w in ("dequantized", "stored")}
             vocab = models["stored"].cfg.vocab_size
             prompt = torch.randint(3, min(vocab, 4000), (1, args.prompt), generator=torch.Generator().manual_seed(0))
             runs: dict[str, list] = {w: [] for w in models}

@@ -15,6 +15,7 @@ from openflash.config import load_config
 from openflash.errors import CheckpointError
 from openflash.model.numerics import PLAIN
 from openflash.model.transformer import Transformer
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
@@ -136,7 +137,8 @@ def test_engram_tables_can_be_left_to_an_external_tier():
     assert model.layers[0].engram.embed.weight.is_meta
     assert "engram tables (left for an external tier)" in report.summary()
     memory = EngramMemory.attach(model, "host", frontend=report.engram_frontend, checkpoint_dir=GOLDEN_A)
-    hosted, full = Runtime(model, report.tokenizer, memory), open_model(str(GOLDEN_A), weights="dequantized")
+    hosted = Runtime(model, report.tokenizer, memory)
+    full = open_model(str(GOLDEN_A), placement=Placement(weights="dequantized"))
     ids = torch.tensor(json.loads((GOLDEN_A / "inputs.json").read_text())["input_ids"])
     # Two model instances: same rows and weights, but separately placed tensors (see the fp32 round trip above).
     torch.testing.assert_close(hosted.step(ids, hosted.new_cache(1)), full.step(ids, full.new_cache(1)), rtol=1e-5,

@@ -26,6 +26,7 @@ from openflash.errors import OpenflashError
 from openflash.model import decode_graph
 from openflash.model.compiled import rowwise
 from openflash.model.numerics import FP32, NUMERICS
+from openflash.placement import Placement
 from openflash.serve.metrics import render
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +42,8 @@ def compiled_tiny():
     backend and on the eager one."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_graph, "CAPACITY_TOKENS", CAPACITY_TOKENS)
-        yield open_model("tiny", numerics="plain", compile=True), open_model("tiny", numerics="plain")
+        yield (open_model("tiny", numerics="plain", placement=Placement(compile=True)),
+               open_model("tiny", numerics="plain"))
 
 
 @needs_cxx
@@ -89,12 +91,12 @@ def test_open_model_names_a_bad_numerics_and_a_missing_compiler(monkeypatch):
         open_model("tiny", numerics="fp16")
     monkeypatch.setenv("CXX", "no-such-c++")
     with pytest.raises(OpenflashError, match="needs a C\\+\\+ compiler .*'no-such-c\\+\\+' is not on PATH"):
-        open_model("tiny", compile=True)
+        open_model("tiny", placement=Placement(compile=True))
 
 
 @needs_cxx
 def test_open_model_compile_sets_the_compiled_backend():
-    assert open_model("tiny", compile=True).model.numerics.compiled
+    assert open_model("tiny", placement=Placement(compile=True)).model.numerics.compiled
 
 
 def test_prefill_batch_must_be_positive():

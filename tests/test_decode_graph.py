@@ -22,6 +22,7 @@ from openflash.kernels import native
 from openflash.model import decode_graph
 from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import NUMERICS
+from openflash.placement import Placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
@@ -107,7 +108,7 @@ def test_steps_that_cannot_be_one_graph_say_why(tiny):
 def test_stored_weights_without_kernels_run_decode_on_the_per_kernel_path(monkeypatch):
     """No fp32 copies to read (FP8/FP4 checkpoint in "stored" residency) and no native kernels, or more routed
     experts as stored than a graph takes as inputs: not one graph."""
-    model = open_model("tests/goldens/A2", weights="stored").model
+    model = open_model("tests/goldens/A2", placement=Placement(weights="stored")).model
     cache = model.new_cache(1)
     if native.status().available:
         assert DecodeGraph(model).why_not(cache, None, None, False, None) is None
@@ -131,7 +132,7 @@ def test_stored_weights_decode_as_one_graph_through_the_kernels(monkeypatch):
     graph (captured by dynamo, run by PyTorch's own kernels) calling the native kernels as custom ops, the routed
     experts in one call a layer by expert id; its logits are the per-kernel step's."""
     monkeypatch.setattr(decode_graph, "BACKEND", "eager")
-    runtime = open_model("tests/goldens/A2", weights="stored", numerics="fp32")
+    runtime = open_model("tests/goldens/A2", numerics="fp32", placement=Placement(weights="stored"))
 
     def run(compiled: bool) -> torch.Tensor:
         runtime.model.set_numerics(NUMERICS["fp32"].with_compile(compiled))

@@ -15,6 +15,7 @@ from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import CheckpointError, OpenflashError
 from openflash.memory.experts import ExpertStore
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.serve.metrics import render
 from openflash.tools.synth import synthesize
@@ -60,9 +61,9 @@ def test_experts_from_host_or_disk_give_bit_identical_logits(ckpt, placement, ca
 
 
 def test_engine_serves_with_disk_experts_and_reports_them(ckpt):
-    loaded = open_model(str(ckpt), weights="stored", expert_placement="disk", expert_cache_bytes=400_000,
-                        expert_prefetch=True)
-    own = open_model(str(ckpt), weights="stored")
+    loaded = open_model(str(ckpt), placement=Placement(weights="stored", experts="disk", expert_cache_bytes=400_000,
+                                                       expert_prefetch=True))
+    own = open_model(str(ckpt), placement=Placement(weights="stored"))
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
     want = [s.output_ids for s in LLMEngine(own, EngineConfig(max_batch=2)).generate(prompts, params)]
@@ -100,7 +101,7 @@ def test_missing_or_truncated_expert_tensors_are_named(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="routed experts missing from the shards"):
         ExpertStore(ckpt, cut, model.numerics, "disk")
     with pytest.raises(CheckpointError, match="preset 'tiny' has none"):
-        open_model("tiny", expert_placement="disk")
+        open_model("tiny", placement=Placement(experts="disk"))
 
 
 def _expert_parallel_rank(ctx, folder: str, out: str) -> None:
@@ -130,7 +131,7 @@ def _lockstep_rank(ctx, folder: str, out: str) -> None:
 
     from openflash.engine.lockstep import Lockstep
 
-    loaded = open_model(folder, expert_placement="host", expert_group=ctx)
+    loaded = open_model(folder, expert_group=ctx, placement=Placement(experts="host"))
     engine = LLMEngine(loaded, EngineConfig(max_batch=3, prefill_chunk=16), Lockstep(ctx.rank, ctx.world_size))
     outputs: dict[str, list] = {}
 
@@ -175,7 +176,7 @@ def test_expert_parallel_engines_step_together(ckpt, tmp_path):
     leader, follower = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
     assert follower["outputs"] == leader["outputs"]
     assert leader["outputs"]["r4"][-1] == "abort" and leader["seeds"][1] is not None
-    loaded = open_model(str(ckpt), expert_placement="host")
+    loaded = open_model(str(ckpt), placement=Placement(experts="host"))
     alone = LLMEngine(loaded, EngineConfig(max_batch=3, prefill_chunk=16))
     requests = _lockstep_requests()[:4]
     seqs = alone.generate([p for p, _ in requests], [replace(sp, seed=seed) for (_, sp), seed in
@@ -207,7 +208,7 @@ def test_serve_with_expert_parallelism_under_torchrun(ckpt):
         prompt = torch.randint(3, 1000, (30,), generator=torch.Generator().manual_seed(5)).tolist()
         body = {"model": ckpt.name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-        loaded = open_model(str(ckpt), expert_placement="host")
+        loaded = open_model(str(ckpt), placement=Placement(experts="host"))
         alone = LLMEngine(loaded, EngineConfig(max_batch=4, max_context=128))
         assert got == alone.generate([prompt], SamplingParams(max_tokens=8), ignore_eos=True)[0].text
     finally:
@@ -275,9 +276,10 @@ def test_direct_reads_give_the_same_tensors_and_logits(ckpt):
     finally:
         buffered.close(), direct.close()
     params = SamplingParams(max_tokens=4, temperature=0)
-    want = LLMEngine(open_model(str(ckpt), weights="stored"), EngineConfig()).generate([[5, 6, 7]], params)
-    loaded = open_model(str(ckpt), weights="stored", expert_placement="disk", expert_direct_io=True)
+    want = LLMEngine(open_model(str(ckpt), placement=Placement(weights="stored")),
+                     EngineConfig()).generate([[5, 6, 7]], params)
+    loaded = open_model(str(ckpt), placement=Placement(weights="stored", experts="disk", expert_direct_io=True))
     got = LLMEngine(loaded, EngineConfig()).generate([[5, 6, 7]], params)
     assert got[0].output_ids == want[0].output_ids and loaded.experts.summary()["bytes_read"] > 0
     with pytest.raises(CheckpointError, match="--expert-direct-io reads routed experts from the shards: it needs"):
-        open_model(str(ckpt), expert_direct_io=True)
+        open_model(str(ckpt), placement=Placement(expert_direct_io=True))

@@ -20,6 +20,7 @@ from openflash.commands.train import train as train_command
 from openflash.errors import OpenflashError
 from openflash.files.manifest import MANIFEST_FILE, verify_manifest
 from openflash.files.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
@@ -274,7 +275,7 @@ def test_metrics_checkpoint_and_generation(dataset: Path, tmp_path: Path) -> Non
     vocab = load_tokenizer(dataset / "tokenizer.json").get_vocab_size(with_added_tokens=True)
     assert saved["text_config"]["vocab_size"] == vocab and "image_token_id" not in saved
     # The checkpoint is an ordinary model folder: the inference loader reads it and reproduces the weights.
-    rt = open_model(str(ckpt), weights="dequantized")
+    rt = open_model(str(ckpt), placement=Placement(weights="dequantized"))
     for name, t in trainer.model.state_dict().items():
         assert torch.equal(rt.model.state_dict()[name], t), name
     from openflash.engine.generate import generate
@@ -436,7 +437,7 @@ def test_init_fine_tunes_a_checkpoint_from_its_own_weights(dataset: Path, tmp_pa
     stored = save_checkpoint(base.model, tmp_path / "fp8", dtype="fp8", tokenizer_json=dataset / "tokenizer.json")
     want, _ = load_checkpoint(stored, weights="dequantized")
     tuned, _ = _fit(dataset, tmp_path / "tuned", init=str(stored), steps=8, eval_every=0, lr=1e-3)
-    start = open_model(str(latest_checkpoint(tmp_path / "tuned")), weights="dequantized")
+    start = open_model(str(latest_checkpoint(tmp_path / "tuned")), placement=Placement(weights="dequantized"))
     assert all(p.dtype == torch.float32 for p in tuned.model.parameters())  # fp32 master weights
     lines = [json.loads(x) for x in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["val_loss"] for r in lines if "val_loss" in r]

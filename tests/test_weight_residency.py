@@ -11,13 +11,14 @@ import torch
 from openflash.checkpoint import choose_residency, load_checkpoint, open_model, resident_bytes
 from openflash.errors import CheckpointError
 from openflash.model import layers
+from openflash.placement import Placement
 from openflash.tools.parity import run_golden
 
 GOLDENS = Path(__file__).parent / "goldens"
 
 
 def _run(folder: Path, weights: str) -> tuple[list[torch.Tensor], int]:
-    rt = open_model(str(folder), weights=weights)
+    rt = open_model(str(folder), placement=Placement(weights=weights))
     torch.manual_seed(1)
     ids = torch.randint(3, rt.cfg.vocab_size - 8, (2, 40))
     cache = rt.new_cache(2)

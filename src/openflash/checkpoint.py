@@ -37,14 +37,15 @@ from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
 from openflash.kernels import native
-from openflash.memory.experts import EXPERT_PLACEMENTS, ExpertStore
+from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.layers import Linear
 from openflash.model.numerics import NUMERICS, Numerics
 from openflash.model.transformer import WEIGHT_RESIDENCIES, Transformer
-from openflash.runtime import Runtime
+from openflash.placement import Placement
+from openflash.runtime import DISK_ROW_CACHE_BYTES, Runtime
 from openflash.tokenizer import DEEPSEEK, load_tokenizer, preset_tokenizer
 
 log = logging.getLogger("openflash.checkpoint")
@@ -134,46 +135,55 @@ def checkpoint_folder(path: str | Path) -> Path:
     return latest
 
 
-def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32", device: str = "cpu",
-               verify: bool = False, weights: str = "auto", expert_placement: str = "device",
-               expert_cache_bytes: int = 0, skip_engram_tables: bool = False,
-               expert_group: Any = None, compile: bool = False, expert_prefetch: bool = False,
-               expert_direct_io: bool = False) -> Runtime:
-    """The runtime (runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset name (random weights, seed 0, for smoke
-    tests and benchmarks), a checkpoint folder or a training run folder (its latest checkpoint). compile: run the
-    numerics on the compiled backend (model/compiled.py). expert_prefetch: with disk experts, decode steps start
-    reading the experts the routers predict (memory/experts.py); expert_direct_io: read them with O_DIRECT."""
+def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32",
+               placement: Placement | None = None, *, verify: bool = False, expert_group: Any = None) -> Runtime:
+    """The runtime (runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset
+    name (random weights, seed 0, for smoke tests and benchmarks), a checkpoint folder or a training run folder (its
+    latest checkpoint), placed as `placement` says (placement.py: device, weights, experts' and Engram tables' tiers,
+    compiled backend; default: the defaults there). The Engram tables of a checkpoint whose tier is not the device
+    are never loaded into the model: the host tier reads them from the checkpoint, the disk tier from table files.
+    verify: first check the checkpoint against its checksums.sha256 (and the disk tier's table files)."""
+    placement = placement if placement is not None else Placement()
     if numerics not in NUMERICS:
         raise CheckpointError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
-    policy = NUMERICS[numerics].with_compile(compile)
-    if compile:
+    device = placement.torch_device
+    policy = NUMERICS[numerics].with_compile(placement.compile)
+    if placement.compile:
         check_toolchain(device)
-    if expert_placement not in EXPERT_PLACEMENTS:
-        raise CheckpointError(f"expert placement must be one of {EXPERT_PLACEMENTS}, got {expert_placement!r}")
-    if expert_direct_io and expert_placement == "device":
+    if placement.expert_direct_io and placement.experts == "device":
         raise CheckpointError("--expert-direct-io reads routed experts from the shards: it needs --expert-placement "
                               "host or disk")
     if spec in PRESETS:
-        if expert_placement != "device":
-            raise CheckpointError(f"--expert-placement {expert_placement} reads experts from a checkpoint's shards; "
+        if placement.experts != "device":
+            raise CheckpointError(f"--expert-placement {placement.experts} reads experts from a checkpoint's shards; "
                                   f"preset {spec!r} has none (write one with `openflash checkpoint synth {spec} DIR`)")
         cfg = load_config(spec)
         tok = load_tokenizer(tokenizer) if tokenizer else preset_tokenizer(cfg)  # ids within the preset's vocabulary
         torch.manual_seed(0)
-        return Runtime.of(build_model(cfg, policy, device=device).eval(), tok,
-                          note=f"preset '{spec}' with random weights (outputs are noise)",
-                          tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
-                          f"preset {spec!r}'s cut of the DeepSeek tokenizer")
-    offload = expert_placement != "device"
-    model, report = load_checkpoint(spec, device=device, numerics=policy, tokenizer_path=tokenizer, verify=verify,
-                                    weights=weights, skip_experts=offload, skip_engram_tables=skip_engram_tables)
-    store = ExpertStore(checkpoint_folder(spec), model.cfg, model.numerics, expert_placement, expert_cache_bytes,
-                        device, group=expert_group, prefetch=expert_prefetch,
-                        direct_io=expert_direct_io) if offload else None
-    note = report.summary() + (f"; routed experts on {expert_placement}" +
-                               (f" (cache {expert_cache_bytes} bytes)" if expert_cache_bytes else "") if offload else "")
-    return Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, note=note,
-                      tokenizer_source=report.tokenizer_source, folder=checkpoint_folder(spec))
+        runtime = Runtime.of(build_model(cfg, policy, device=device).eval(), tok,
+                             note=f"preset '{spec}' with random weights (outputs are noise)",
+                             tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
+                             f"preset {spec!r}'s cut of the DeepSeek tokenizer")
+    else:
+        folder = checkpoint_folder(spec)
+        tier = placement.engram_tier(load_config(folder).weight_dtype == "fp8")
+        offload = placement.experts != "device"
+        model, report = load_checkpoint(folder, device=device, numerics=policy, tokenizer_path=tokenizer,
+                                        verify=verify, weights=placement.weights, skip_experts=offload,
+                                        skip_engram_tables=tier != "device")
+        store = ExpertStore(folder, model.cfg, model.numerics, placement.experts, placement.expert_cache_bytes,
+                            device, group=expert_group, prefetch=placement.expert_prefetch,
+                            direct_io=placement.expert_direct_io) if offload else None
+        cache = placement.expert_cache_bytes
+        note = report.summary() + (f"; routed experts on {placement.experts}" +
+                                   (f" (cache {cache} bytes)" if cache else "") if offload else "")
+        runtime = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, note=note,
+                             tokenizer_source=report.tokenizer_source, folder=folder)
+    tier = placement.engram_tier(runtime.cfg.weight_dtype == "fp8")
+    runtime.place_engram(tier, table_dir=placement.engram_table_dir,
+                         cache_bytes=placement.engram_cache_bytes or DISK_ROW_CACHE_BYTES,
+                         io_threads=placement.engram_io_threads, verify=verify)
+    return runtime
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", numerics: str | Numerics = "fp32",
@@ -340,7 +350,12 @@ def choose_residency(model: Transformer, available: int | None = None, device: s
     """"stored" when the fp32 copies would take more than a quarter of the memory available, or when the native
     kernels serve the model's FP8/FP4 weights here (CPU) at a hidden size of KERNELS_WIDTH or more, where they
     decode faster (prefill is 7-8% slower there: one dequantized tile per product); "dequantized" otherwise."""
-    free = available if available is not None else available_memory()
+    if available is not None:
+        free = available
+    elif torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        free = available_memory()
     if dequantized_bytes(model) > free // 4:
         return "stored"
     quantized = any(m.quantized for m in model.modules() if isinstance(m, Linear))

@@ -17,6 +17,7 @@ import sys
 from typing import Callable, Sequence
 
 from openflash.errors import OpenflashError
+from openflash.placement import DEVICE_HELP, ENGRAM_TIERS, EXPERT_TIERS
 
 WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights), stored (only the stored bytes resident, "
                 "computed by the native kernels up to 16 rows, dequantized tile by tile beyond: memory = checkpoint "
@@ -41,11 +42,20 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
                              "on disk by inductor; speed-ups in docs/benchmarks.md)")
 
 
-def _expert_flags(parser: argparse.ArgumentParser) -> None:
+def _device_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def _placement_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs (placement.Placement.from_args reads these): declared once for every command that
+    places a model for inference."""
+    _device_flag(parser)
+    parser.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
+    _compile_flag(parser)
     parser.add_argument("--placement", default=None, metavar="plan.json",
                         help="run with the placement `openflash plan --memory ... --out plan.json` wrote (weights, "
                              "experts and their cache, Engram tier); not combined with those flags")
-    parser.add_argument("--expert-placement", default="device", choices=["device", "host", "disk"],
+    parser.add_argument("--expert-placement", default="device", choices=list(EXPERT_TIERS),
                         help="where the routed experts live: device (the model's memory, default), host (read once "
                              "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
     parser.add_argument("--expert-cache-bytes", type=int, default=0,
@@ -60,6 +70,13 @@ def _expert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-direct-io", action="store_true",
                         help="with host / disk: read the experts from the shards with O_DIRECT, past the page cache "
                              "(off by default: the page cache also serves re-reads; benchmarks/expert_reads.py)")
+    parser.add_argument("--engram-placement", default="auto", choices=list(ENGRAM_TIERS),
+                        help="where the Engram tables live: auto (host RAM next to a CUDA device for FP8 tables, "
+                             "pinned, rows copied ahead; the model's memory on the CPU), device, host, disk")
+    parser.add_argument("--engram-table-dir", default=None,
+                        help="folder of table files from `openflash engram export` (disk placement)")
+    parser.add_argument("--engram-cache-bytes", type=int, default=0, help="row cache of the disk tier, in bytes")
+    parser.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -124,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--numerics", default="reference", choices=["reference", "fp32"],
                         help="reference: reproduce the reference's bf16 rounding points (default); fp32: the fast path")
     parity.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _device_flag(parity)
     parity.add_argument("--weights", default="dequantized", choices=["dequantized", "stored"],
                         help="weight residency to check (stored: computed tile by tile from the stored formats)")
 
@@ -170,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("base", help="the checkpoint the adapter was trained on")
     merge.add_argument("adapter", help="PEFT adapter folder or `train --lora` run")
     merge.add_argument("out", help="new folder to write")
+    _device_flag(merge)
 
     # data / tokenizer --------------------------------------------------------------------------------------
     data = sub.add_parser("data", help="training data")
@@ -220,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-verify", dest="verify", action="store_false",
                        help="with --resume: skip checking the checkpoint against its checksums.sha256 (checked by "
                             "default: the run wrote them itself)")
+    _device_flag(train)
+    train.add_argument("--autocast", default="off", choices=["off", "bf16"],
+                       help="bf16: forward and backward under torch.autocast to bf16 on CUDA (fp32 master weights and "
+                            "optimizer state); off (default): the numerics as on the CPU")
     train.add_argument("--verify", dest="verify_init", action="store_true",
                        help="with --init: first check the checkpoint against its checksums.sha256 (a damaged base "
                             "would be trained on, and a full fine-tune's checkpoints would record fresh checksums)")
@@ -293,15 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
-    gen.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
     gen.add_argument("--numerics", default="fp32",
                      help="the numerics policy (model/numerics.py): fp32 (default), reference (the official code's "
                           "bf16 and QDQ roundings, as the parity goldens), plain or train")
     gen.add_argument("--prefill-mode", "--prefill", default="bounded", choices=["bounded", "exact"],
                      help="CED prefill: bounded replay of the decoder half (default) or exact (every layer on every "
                           "prompt token)")
-    _compile_flag(gen)
-    _expert_flags(gen)
+    _placement_flags(gen)
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -318,19 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
-    serve.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
-    _compile_flag(serve)
-    _expert_flags(serve)
+    _placement_flags(serve)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
-    serve.add_argument("--engram-placement", default="device", choices=["device", "host", "disk", "sharded"],
-                       help="where the Engram tables live")
     serve.add_argument("--prefill-mode", default="bounded", choices=["bounded", "exact"],
                        help="CED prefill: bounded replay of the decoder half (default) or exact")
-    serve.add_argument("--engram-table-dir", default=None,
-                       help="folder of table files from `openflash engram export` (disk placement)")
-    serve.add_argument("--engram-cache-bytes", type=int, default=0, help="row cache of the disk tier, in bytes")
-    serve.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
     serve.add_argument("--engram-speculate", type=int, default=0,
                        help="speculatively prefetch the rows of the top-K next tokens (0 = off)")
     serve.add_argument("--kv-storage", default="fp32", choices=["fp32", "packed"],

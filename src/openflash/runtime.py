@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 from openflash.errors import CheckpointError, OpenflashError, RequestError
 from openflash.files.manifest import folder_fingerprint, verify_manifest
 from openflash.files.peft import ENGRAM_ROWS_FILE, adapter_folder, check_base, read_adapter
+from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
@@ -130,7 +131,7 @@ class Runtime:
                     probe: Probe | None = None, all_logits: bool = False,
                     adapters: Sequence[int] | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus the drafter's input (Transformer.step_hidden)."""
-        ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
+        ids, images = self._on_device(input_ids, images)
         rows = self._rows(ids, cache, images, lengths, probe)
         with self._selected(adapters):
             return self.model.step_hidden(ids, cache, mode=mode, last_chunk=last_chunk, engram=rows, images=images,
@@ -192,6 +193,13 @@ class Runtime:
             return nullcontext()
         return self.adapters.use(torch.tensor(list(adapters), dtype=torch.long, device=self.device))
 
+    def _on_device(self, input_ids: torch.Tensor, images: ImageRows | None) -> tuple[torch.Tensor,
+                                                                                     ImageRows | None]:
+        """A step's token ids [B, S] (or [B]) and image rows, moved to the model's device: callers build them
+        where they like (the CPU, mostly)."""
+        ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
+        return ids.to(self.device, non_blocking=True), None if images is None else images.to(self.device)
+
     def _rows(self, ids: torch.Tensor, cache: ModelCache, images: ImageRows | None, lengths: torch.Tensor | None,
               probe: Probe | None) -> EngramRows | None:
         """The step's Engram rows (their fetch started); a probe sees the hash ids as `engram_hash`."""
@@ -217,6 +225,9 @@ class Runtime:
         """Rebuild a restored prefix cache's bounded state from prompt_ids[start:stop] (Transformer.replay), the
         Engram hash history rebuilt from the tokens before. image_mask [len(prompt_ids)]: image-span positions;
         images: the rows of those among [start, stop)."""
+        if image_mask is not None:
+            image_mask = image_mask.to(self.device)
+        images = None if images is None else images.to(self.device)
         rows = self.memory.prepare_replay(prompt_ids, start, stop, cache, image_mask)
         ids = torch.tensor([prompt_ids[start:stop]], dtype=torch.long, device=self.device)
         with self._selected([adapter]):
@@ -238,6 +249,8 @@ class Runtime:
                 hidden: bool = False) -> ForwardOutput:
         """Full sequences [B, S] from position 0 with their Engram rows (Transformer.forward; in autograd on the
         device tier)."""
+        input_ids, images = self._on_device(input_ids, images)
+        targets = None if targets is None else targets.to(self.device, non_blocking=True)
         rows = self.memory.prefetch_batch(input_ids, None if images is None else images.mask)
         return self.model(input_ids, targets, engram=rows, images=images, dense_indexer=dense_indexer, probe=probe,
                           hidden=hidden)
@@ -268,27 +281,36 @@ class Runtime:
     def place_engram(self, placement: str, *, table_dir: str | Path | None = None,
                      cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> None:
         """Move the Engram tables to `placement` (memory/placement.py), closing the memory that held them. host and
-        disk hold FP8 rows (fp32 tables are quantized first). The disk tier reads `table_dir`, else the checkpoint
-        folder's `engram_tables/`, else table files exported from the model into a scratch folder that `close`
-        removes."""
+        disk hold FP8 rows (fp32 tables are quantized first). Tables a checkpoint load left unread
+        (`skip_engram_tables`) come straight from the checkpoint: the host tier reads them into (pinned) RAM, the
+        disk tier exports them. The disk tier reads `table_dir`, else the checkpoint folder's `engram_tables/`,
+        else table files exported into a scratch folder that `close` removes."""
         if placement == self.memory.placement:
             return
         if placement == "sharded":
             raise OpenflashError("Engram placement 'sharded' splits the tables over a torch.distributed group, which "
                                  "`generate` and `serve` do not set up (with or without --expert-parallel): use host "
                                  "or disk")
-        quantized = self.model.quantize_engram_tables()
-        if quantized:
-            log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
+        unread = self.folder is not None and any(t.weight.device.type == "meta"
+                                                 for t in self.model.engram_tables().values())
+        if not unread:
+            quantized = self.model.quantize_engram_tables()
+            if quantized:
+                log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
         kwargs: dict[str, Any] = {}
         if placement == "disk" and self.memory.layer_ids:
-            kwargs = dict(table_dir=str(self._table_dir(table_dir, verify)), cache_bytes=cache_bytes,
+            kwargs = dict(table_dir=str(self._table_dir(table_dir, verify, unread)), cache_bytes=cache_bytes,
                           io_threads=io_threads)
+        elif placement == "host" and unread:
+            kwargs = dict(checkpoint_dir=self.folder)
+        elif placement == "device" and unread:
+            raise OpenflashError("the Engram tables were left in the checkpoint at load (another tier was chosen); "
+                                 "load the model again with --engram-placement device")
         memory = EngramMemory.attach(self.model, placement, frontend=self.frontend, **kwargs)
         self.memory.close()
         self.memory = memory
 
-    def _table_dir(self, given: str | Path | None, verify: bool) -> Path:
+    def _table_dir(self, given: str | Path | None, verify: bool, unread: bool) -> Path:
         if given is not None and not Path(given).is_dir():
             raise OpenflashError(f"--engram-table-dir {given}: not a folder (write one with `openflash engram "
                                  f"export`)")
@@ -299,11 +321,14 @@ class Runtime:
             return folder
         self._scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
         folder = Path(self._scratch.name)
-        fingerprint = self.frontend.layout.layout_fingerprint()
-        tables = self.model.engram_tables()
-        for slot, lid in enumerate(self.cfg.engram_layer_ids):
-            write_table_file(folder / table_file_name(lid), tables[slot].weight.detach(), tables[slot].scale.detach(),
-                             fingerprint)
+        if unread:  # the tables never entered the model: straight from the checkpoint's files
+            export_engram_tables(self.folder, folder)
+        else:
+            fingerprint = self.frontend.layout.layout_fingerprint()
+            tables = self.model.engram_tables()
+            for slot, lid in enumerate(self.cfg.engram_layer_ids):
+                write_table_file(folder / table_file_name(lid), tables[slot].weight.detach().cpu(),
+                                 tables[slot].scale.detach().cpu(), fingerprint)
         log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
         return folder
 
@@ -319,8 +344,7 @@ class Runtime:
         graph = self._graph()
         return {"engram": self.memory.stats() if self.memory.layer_ids else None,
                 "experts": self.experts.summary() if self.experts is not None else None,
-                "decode_graph": None if graph is None else {"steps": graph.steps, "graphs": graph.graphs,
-                                                            "compile_seconds": graph.compile_seconds}}
+                "decode_graph": None if graph is None else graph.stats()}
 
     def close(self) -> None:
         """Stop the memory's background work, close table and expert files, remove exported tables."""

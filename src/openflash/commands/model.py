@@ -13,6 +13,7 @@ from openflash.config import load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import read_manifest, verify_manifest, write_manifest
 from openflash.model.numerics import NUMERICS
+from openflash.placement import resolve_device
 from openflash.tools.parity import free_running_summary, run_golden
 from openflash.tools.plan import build_plan, format_bytes
 from openflash.topology import topology_table
@@ -100,14 +101,16 @@ def parity(args: Any) -> int:
         raise OpenflashError(f"unknown numerics {args.numerics!r}")
     all_ok = True
     report = {}
+    device = str(resolve_device(args.device))
     for folder in args.golden_dir:
-        results = run_golden(folder, args.numerics, teacher_forced=True, weights=args.weights)
-        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False, weights=args.weights))
+        results = run_golden(folder, args.numerics, teacher_forced=True, weights=args.weights, device=device)
+        free = free_running_summary(run_golden(folder, args.numerics, teacher_forced=False, weights=args.weights,
+                                               device=device))
         ok = all(c.passed for c in results)
         all_ok &= ok
         report[folder] = {"pass": ok, "teacher_forced": [c.__dict__ for c in results], "free_running": free}
         if not args.json:
-            print(f"== {folder} ({args.numerics} numerics, teacher-forced): {'PASS' if ok else 'FAIL'}")
+            print(f"== {folder} ({args.numerics} numerics, teacher-forced, {device}): {'PASS' if ok else 'FAIL'}")
             for c in results:
                 if c.kind == "int":
                     print(f"  {'ok  ' if c.passed else 'FAIL'} {c.key:<40} exact: {c.note}")
@@ -154,5 +157,5 @@ def lora_merge(args: Any) -> int:
     """`openflash lora merge BASE ADAPTER OUT`."""
     from openflash.tools.lora_merge import merge_adapter
 
-    print(merge_adapter(args.base, args.adapter, args.out).summary())
+    print(merge_adapter(args.base, args.adapter, args.out, resolve_device(args.device)).summary())
     return 0

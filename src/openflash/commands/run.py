@@ -13,37 +13,16 @@ from openflash.checkpoint import open_model
 from openflash.engine.generate import generate as generate_text
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-from openflash.runtime import DISK_ROW_CACHE_BYTES, Runtime
+from openflash.placement import Placement
+from openflash.runtime import Runtime
 
 log = logging.getLogger("openflash.serve")
 
 
-def apply_placement(args: Any) -> None:
-    """--placement plan.json: its settings become the run's flags (given together with them, an error)."""
-    if args.placement is None:
-        return
-    from openflash.tools.placement_plan import read_placement
-
-    defaults = {"weights": "auto", "expert_placement": "device", "expert_cache_bytes": 0,
-                "engram_placement": "device", "engram_cache_bytes": 0}
-    clash = [k for k, v in defaults.items() if hasattr(args, k) and getattr(args, k) != v]
-    if clash:
-        raise OpenflashError(f"--placement {args.placement} sets {', '.join('--' + k.replace('_', '-') for k in clash)}"
-                             f"; give one or the other")
-    for key, value in read_placement(args.placement).items():
-        setattr(args, key, value)
-
-
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
-    apply_placement(args)
-    engram = getattr(args, "engram_placement", "device")
-    group = _expert_group(args)
-    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
-                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=args.expert_prefetch, expert_direct_io=args.expert_direct_io,
-                        skip_engram_tables=engram == "disk" and (Path(args.model) / "engram_tables").is_dir(),
-                        expert_group=group, compile=args.compile)
+    placement, group = _placed(args)
+    loaded = open_model(args.model, args.tokenizer, args.numerics, placement, verify=args.verify, expert_group=group)
     if args.lora is not None:
         loaded.load_adapters({"adapter": args.lora}, verify=args.verify)
     if group is not None and group.rank != 0:  # every rank runs the same steps; rank 0 prints
@@ -51,14 +30,16 @@ def generate(args: Any) -> int:
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):
-            return _generate(loaded, args, engram)
-    return _generate(loaded, args, engram)
+            return _generate(loaded, args)
+    return _generate(loaded, args)
 
 
-def _expert_group(args: Any) -> Any:
-    """--expert-parallel N: this process's group (torchrun's environment), experts on host unless placed."""
+def _placed(args: Any) -> tuple[Placement, Any]:
+    """The placement the flags (or --placement plan.json) give, and with --expert-parallel N this process's group
+    (torchrun's environment; experts on the host unless placed)."""
+    placement = Placement.from_args(args)
     if args.expert_parallel == 1:
-        return None
+        return placement, None
     from openflash.train.distributed import init_from_env
 
     if args.expert_parallel < 1:
@@ -69,18 +50,17 @@ def _expert_group(args: Any) -> Any:
                              f"(WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')})")
     if args.speculative is not None:
         raise OpenflashError("--expert-parallel does not combine with --speculative yet")
-    if args.expert_placement == "device":
-        args.expert_placement = "host"  # each rank holds its share in RAM, as stored
-    return init_from_env()
+    if placement.experts == "device":
+        placement = placement.with_(experts="host")  # each rank holds its share in RAM, as stored
+    return placement, init_from_env(placement.torch_device)
 
 
-def _generate(loaded: Runtime, args: Any, engram: str) -> int:
+def _generate(loaded: Runtime, args: Any) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     ids, images = loaded.prompt_ids(args.prompt if args.prompt_ids is None else args.prompt_ids, args.image)
     if args.speculative is not None:
         return _generate_speculative(loaded, args, params, ids, images)
-    loaded.place_engram(engram, cache_bytes=getattr(args, "engram_cache_bytes", 0) or DISK_ROW_CACHE_BYTES)
     result = generate_text(loaded, ids, params, mode=args.prefill_mode, images=images,
                            adapter=None if args.lora is None else "adapter")
     print(f"# {loaded.note}")
@@ -149,7 +129,6 @@ def serve(args: Any) -> int:
     from openflash.serve.images import ImagePolicy
     from openflash.vision.preprocess import ImageLimits
 
-    apply_placement(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
         raise OpenflashError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
@@ -168,15 +147,8 @@ def serve(args: Any) -> int:
     if args.max_batch < 1 or args.max_context < 2:
         raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
                              f"{args.max_context})")
-    # The disk tier reading table files already there: the checkpoint's own tables need not be read at all.
-    tables_on_disk = args.engram_placement == "disk" and args.model not in PRESETS and (
-        args.engram_table_dir is not None or (Path(args.model) / "engram_tables").is_dir())
-    group = _expert_group(args)
-    loaded = open_model(args.model, args.tokenizer, numerics=args.numerics, verify=args.verify, weights=args.weights,
-                        expert_placement=args.expert_placement, expert_cache_bytes=args.expert_cache_bytes,
-                        expert_prefetch=args.expert_prefetch, expert_direct_io=args.expert_direct_io,
-                        skip_engram_tables=tables_on_disk,
-                        compile=args.compile, expert_group=group)
+    placement, group = _placed(args)
+    loaded = open_model(args.model, args.tokenizer, args.numerics, placement, verify=args.verify, expert_group=group)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
     if args.lora:
         loaded.load_adapters(lora_modules(args.lora, name), verify=args.verify)
@@ -186,10 +158,8 @@ def serve(args: Any) -> int:
         log.warning("serving preset %r with RANDOM weights: outputs are noise (%s)", args.model, note)
     else:
         log.info("loaded %s: %s", args.model, note)
-    loaded.place_engram(args.engram_placement, table_dir=args.engram_table_dir,
-                        cache_bytes=args.engram_cache_bytes or DISK_ROW_CACHE_BYTES, io_threads=args.engram_io_threads,
-                        verify=args.verify)
-    speculate = args.engram_speculate if args.engram_placement != "device" else 0
+    engram = loaded.memory.placement
+    speculate = args.engram_speculate if engram != "device" else 0
     engine = LLMEngine(loaded, EngineConfig(
         max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
         kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
@@ -215,7 +185,7 @@ def serve(args: Any) -> int:
     stats = engine.stats()
     log.info("model %r: max batch %d, context %d, prefill %s, global cache %.0f B/token (%s), Engram %s",
              name, args.max_batch, args.max_context, args.prefill_mode, stats["global_cache_bytes_per_token"],
-             stats["kv_storage"], args.engram_placement)
+             stats["kv_storage"], engram)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=int(config.drain_timeout))
     loaded.close()

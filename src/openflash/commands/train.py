@@ -14,6 +14,7 @@ import torch
 
 from openflash.errors import OpenflashError
 from openflash.tools.demo import DemoConfig, run_demo
+from openflash.placement import resolve_device
 from openflash.train.distributed import init_from_env
 from openflash.train.plot import plot_run
 from openflash.train.prepare import prepare_dataset
@@ -110,7 +111,7 @@ def train(args: argparse.Namespace) -> int:
     if args.data is None:
         raise OpenflashError("--data is required (a folder written by `openflash data prepare`)")
     cfg = config_from_args(args)
-    ctx = init_from_env()
+    ctx = init_from_env(resolve_device(args.device))
     try:
         result = Trainer(cfg, ctx).fit()
     finally:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
 from openflash.model.mhc import collapse
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.topology import LayerMode
 from openflash.train.dataset import TokenDataset, eval_batches
@@ -36,7 +37,7 @@ class Recorder:
 
 
 def load_trained(checkpoint: Path) -> Runtime:
-    return open_model(str(checkpoint), weights="dequantized")
+    return open_model(str(checkpoint), placement=Placement(weights="dequantized"))
 
 
 def validation_windows(data_dir: Path, windows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -294,7 +294,7 @@ def compress(
             )
     compressed = table[token_ids]
     if token_mask is not None:
-        compressed = compressed.masked_fill(~token_mask.to(torch.bool), DEAD)
+        compressed = compressed.masked_fill(~token_mask.to(device=compressed.device, dtype=torch.bool), DEAD)
     return compressed
 
 

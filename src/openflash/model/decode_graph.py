@@ -31,6 +31,9 @@ power-of-two buckets of tokens from CAPACITY_TOKENS (the entries a step reads), 
 block each row's open group writes into, allocated and unshared (copy-on-write) there, not in the step. Compiled code
 is cached on disk by inductor.
 
+On a CUDA device the compiled step is recorded as a CUDA graph per cache layout and replayed (cuda_graph.py): the
+launches, not the arithmetic, are a small model's step there.
+
 Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
 a step), steps with a probe, images or an ExpertSource, "stored" weights the native kernels do not serve here (no
 kernels, or a batch past MAX_ROWS: no fp32 copies to gather), more than STORED_EXPERTS_IN_GRAPH routed experts a
@@ -50,6 +53,7 @@ import torch
 from openflash.kernels import native
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
+from openflash.model.cuda_graph import CudaGraphStep
 from openflash.model.context import ExpertSource, Probe
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
@@ -103,6 +107,10 @@ class DecodeGraph:
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
         self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
         self._noted: set[str] = set()
+        # On a GPU the compiled step is replayed as a CUDA graph (cuda_graph.py); the cache's Engram hash history
+        # (advanced before each step, outside it), drafter rings and replay buffer are not the step's to touch.
+        self._replayed = CudaGraphStep(self._step, FetchedRows, skip=("engram", "draft", "replay")) \
+            if model.device.type == "cuda" else None
         self.steps = 0  # decode steps run as one graph
         self.graphs = 0  # graphs compiled for them (module doc: one per batch class)
         self.compile_seconds = 0.0  # spent in the steps that compiled one (tracing and code generation)
@@ -136,13 +144,24 @@ class DecodeGraph:
         self.steps += 1
         compiled, start = _graphs_compiled(), time.perf_counter()
         with quiet_lru_cache_warnings():
-            logits = self._step(self.model, input_ids, cache, rows)
+            if self._replayed is not None:
+                logits = self._replayed(self.model, input_ids, cache, None if rows is None else rows.rows)
+            else:
+                logits = self._step(self.model, input_ids, cache, rows)
         if _graphs_compiled() > compiled:  # this call compiled (nothing else compiles inside it)
             seconds = time.perf_counter() - start
             self.graphs += 1
             self.compile_seconds += seconds
             log.info("decode graph %d compiled in %.1f s (batch %d)", self.graphs, seconds, input_ids.shape[0])
         return logits
+
+    def stats(self) -> dict[str, float]:
+        """Steps run as one graph, graphs compiled and the seconds the compiling steps took; on CUDA, the CUDA
+        graph recordings made and the steps replayed from them."""
+        out = {"steps": self.steps, "graphs": self.graphs, "compile_seconds": self.compile_seconds}
+        if self._replayed is not None:
+            out.update(cuda_graphs_recorded=self._replayed.recorded, cuda_graph_replays=self._replayed.replays)
+        return out
 
     def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:
         """What the graph's body (`Transformer.static_decode`) needs before it runs: the cache's capacity

@@ -45,6 +45,12 @@ class ImageRows:
             raise ValueError(f"ImageRows.values must hold one row per masked position ({n}), got "
                              f"{tuple(self.values.shape)}")
 
+    def to(self, device: torch.device) -> "ImageRows":
+        """The same rows on `device` (itself when they are there)."""
+        if self.mask.device == device and self.values.device == device:
+            return self
+        return ImageRows(self.mask.to(device), self.values.to(device))
+
     @classmethod
     def stack(cls, rows: list["ImageRows | None"], length: int, device: torch.device) -> "ImageRows | None":
         """One [B, length] step's rows from B one-row steps (None: no image position there; a shorter row is

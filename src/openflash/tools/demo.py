@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openflash.errors import OpenflashError
+from openflash.placement import Placement
 from openflash.train.tokenizer import DEFAULT_PATTERNS, stdlib_source_dir, walk_sources
 
 DONE_FILE = "demo_done.json"  # in the training run folder: the budget (minutes) of the last finished run
@@ -196,7 +197,7 @@ def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:
         raise OpenflashError(f"no checkpoint in {train_dir} to generate from")
-    runtime = open_model(str(checkpoint), weights="dequantized")
+    runtime = open_model(str(checkpoint), placement=Placement(weights="dequantized"))
     params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens, seed=0)
     how = "greedy" if params.greedy else f"temperature {cfg.temperature}, top-k {cfg.top_k}, seed 0"
     _say(cfg, f"[5/5] generation from {checkpoint} ({how}, up to {cfg.max_new_tokens} tokens each)")

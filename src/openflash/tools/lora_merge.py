@@ -58,9 +58,11 @@ def _store(linear: Linear, merged: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path) -> MergeReport:
+def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path,
+                  device: torch.device | str = "cpu") -> MergeReport:
     """Fold the adapter (a PEFT folder or `train --lora` run) into the checkpoint `base`, written to the new folder
-    `out` with the base's other files (tokenizer, token map)."""
+    `out` with the base's other files (tokenizer, token map). The model stays in host memory (every tensor is
+    written back out); each adapted weight's product and requantization run on `device`, one weight at a time."""
     base, out = Path(base), Path(out)
     if out.exists() and not out.is_dir():
         raise OpenflashError(f"{out} is a file; the merged checkpoint goes to a new folder")
@@ -80,10 +82,10 @@ def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path) -> Mer
         linear = linears.get(name)
         if linear is None or (linear.out_features, linear.in_features) != (b.shape[0], a.shape[1]):
             raise OpenflashError(f"{folder}: {name} (A {list(a.shape)}, B {list(b.shape)}) is not a linear of {base}")
-        delta = lora_delta(a, b, lora.scaling)
-        merged = linear.dequantized_rows(0, linear.out_features) + delta
+        delta = lora_delta(a.to(device), b.to(device), lora.scaling)
+        merged = linear.dequantized_rows(0, linear.out_features).to(device) + delta
         _store(linear, merged)
-        error = (linear.dequantized_rows(0, linear.out_features) - merged).abs()
+        error = (linear.dequantized_rows(0, linear.out_features).to(device) - merged).abs()
         rounding_max, update_max = max(rounding_max, float(error.max())), max(update_max, float(delta.abs().max()))
         rounding_sum, count = rounding_sum + float(error.sum()), count + error.numel()
     rows = _merge_engram_rows(model, read_engram_rows(folder), folder)

@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.vision.preprocess import prepare_image
 from openflash.vision.prompt import EncodedImages, PromptImage
@@ -83,14 +84,18 @@ class GoldenProbe:
 
 
 def run_golden(golden_dir: str | Path, numerics: str = "reference", teacher_forced: bool = True,
-               weights: str = "dequantized") -> list[Comparison]:
+               weights: str = "dequantized", device: str = "cpu") -> list[Comparison]:
+    """Run a golden folder's inputs through its checkpoint on `device` and compare every recorded value (on the
+    CPU) with the official code's. The Engram tables stay in the model (goldens are tiny, and the host tier's
+    FP8 rounding of fp32 tables would not be the reference's)."""
     folder = Path(golden_dir)
     for name in ("config.json", "inputs.json", "expected.safetensors"):
         if not (folder / name).exists():
             raise OpenflashError(f"{folder}: not a golden folder (missing {name})")
     inputs = json.loads((folder / "inputs.json").read_text())
     expected = load_file(str(folder / "expected.safetensors"))
-    runtime = open_model(str(folder), numerics=numerics, weights=weights)
+    runtime = open_model(str(folder), numerics=numerics,
+                         placement=Placement(device=device, weights=weights, engram="device"))
     model, cfg = runtime.model, runtime.cfg
     ours: dict[str, torch.Tensor] = {}
 
@@ -205,6 +210,7 @@ def _collect(record: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], pre
 
 def compare(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], numerics: str) -> list[Comparison]:
     results = []
+    ours = {k: v.cpu() for k, v in ours.items()}
     for key in sorted(expected):
         preprocessing = key.startswith("inputs.image")  # ours to reproduce, exactly
         if (key.startswith("inputs.") and not preprocessing) or key.endswith((".input_token", ".start_pos")):

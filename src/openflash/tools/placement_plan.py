@@ -61,7 +61,7 @@ def parse_size(text: str, what: str) -> int:
 
 
 @dataclass
-class Placement:
+class PlacementPlan:
     memory: int
     accelerator_memory: int | None
     context: int
@@ -146,7 +146,7 @@ def measure_bandwidth(scratch: str | Path | None = None, nbytes: int = 1 * GiB) 
 
 
 def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | None = None, context: int = 65536,
-                   batch: int = 1, bandwidth: dict[str, float] | None = None) -> Placement:
+                   batch: int = 1, bandwidth: dict[str, float] | None = None) -> PlacementPlan:
     """The placement of the module doc; OpenflashError when nothing fits."""
     if memory < 1 or (accelerator_memory is not None and accelerator_memory < 1) or context < 1 or batch < 1:
         raise OpenflashError("--memory, --accelerator-memory, --context and --batch must be positive")
@@ -203,12 +203,12 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
         per_token[slow] += (1 - served) * active
     per_token["host" if where["engram"] == "host" else "disk"] += facts["engram_row_bytes"]
     seconds = sum(b / bw[t] for t, b in per_token.items() if b)
-    return Placement(memory, accelerator_memory, context, batch, parts, where, int(cache), int(engram_cache),
+    return PlacementPlan(memory, accelerator_memory, context, batch, parts, where, int(cache), int(engram_cache),
                      {k: v for k, v in per_token.items() if v}, bw, bandwidth is not None and bw != DEFAULT_BANDWIDTH,
                      1.0 / seconds if seconds else float("inf"), notes)
 
 
-def write_placement(placement: Placement, path: str | Path) -> Path:
+def write_placement(placement: PlacementPlan, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps({"run": placement.run_settings(), "plan": asdict(placement)}, indent=1) + "\n")
     return path
@@ -227,4 +227,4 @@ def read_placement(path: str | Path) -> dict[str, Any]:
     return {k: run[k] for k in PLACEMENT_KEYS}
 
 
-__all__ = ["Placement", "plan_placement", "measure_bandwidth", "parse_size", "write_placement", "read_placement"]
+__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "parse_size", "write_placement", "read_placement"]

@@ -58,7 +58,7 @@ class DistContext:
         """Each flag true on every rank if it is true on any rank (so all ranks stop at the same step)."""
         if not self.enabled:
             return list(flags)
-        t = torch.tensor([1.0 if f else 0.0 for f in flags])
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v > 0) for v in t.tolist()]
 
@@ -91,15 +91,26 @@ def all_reduce_grads(params: list[nn.Parameter], ctx: DistContext) -> None:
         offset += n
 
 
-def init_from_env(backend: str | None = None) -> DistContext:
+def init_from_env(device: torch.device | None = None) -> DistContext:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
-    a single process when WORLD_SIZE is unset or 1."""
+    a single process when WORLD_SIZE is unset or 1. device: this rank's (placement.resolve_device gives each rank
+    its LOCAL_RANK's GPU): NCCL for a CUDA device, gloo for the CPU (default: the CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        dist.init_process_group("nccl" if cuda else "gloo")
     return DistContext.current()
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must be: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def free_port() -> int:
@@ -127,4 +138,4 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads_per_rank:
                        join=True, start_method="spawn")
 
 
-__all__ = ["DistContext", "all_reduce_grads", "init_from_env", "spawn", "free_port"]
+__all__ = ["DistContext", "all_reduce_grads", "init_from_env", "collective_device", "spawn", "free_port"]

@@ -35,6 +35,7 @@ from openflash.model import dspark
 from openflash.model.cache import ModelCache, WindowCache
 from openflash.model.context import StepContext
 from openflash.model.transformer import Transformer
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.train.dataset import BatchLoader, TokenDataset
 
@@ -83,7 +84,7 @@ def _data_dir(cfg: DraftTrainConfig) -> Path:
 def drafter_model(init: str) -> Runtime:
     """The trained model of `init` (a checkpoint or a run folder) with a DSpark head (new, random, unless it has
     one), only the head trainable."""
-    runtime = open_model(str(checkpoint_folder(init)), numerics="train", weights="dequantized")
+    runtime = open_model(str(checkpoint_folder(init)), numerics="train", placement=Placement(weights="dequantized"))
     model = runtime.model
     cfg = model.cfg if model.cfg.dspark is not None else model.cfg.with_dspark()
     if cfg is not model.cfg:

@@ -28,6 +28,7 @@ from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
 from openflash.model.adapters import add_lora
+from openflash.placement import Placement
 from openflash.model.lora import DEFAULT_TARGETS, LoRA
 from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
@@ -53,14 +54,16 @@ def fp32_state(model: Transformer) -> dict[str, torch.Tensor]:
     return state
 
 
-def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tuple[Transformer,
-                                                                                 EngramFrontend | None, Path | None]:
-    """The checkpoint (or run folder, or preset) `init` as an fp32 model to train, its Engram frontend, and its
-    folder (None for a preset). data: the prepared training data, whose tokenizer must be the model's."""
-    runtime = open_model(str(init), numerics="fp32", weights="dequantized")
+def init_model(init: str | Path, data: TokenDataset, numerics: Numerics,
+               device: torch.device | str = "cpu") -> tuple[Transformer, EngramFrontend | None, Path | None]:
+    """The checkpoint (or run folder, or preset) `init` as an fp32 model to train on `device` (its Engram tables in
+    it: they train), its Engram frontend, and its folder (None for a preset). data: the prepared training data,
+    whose tokenizer must be the model's."""
+    runtime = open_model(str(init), numerics="fp32", placement=Placement(device="cpu", weights="dequantized",
+                                                                         engram="device"))
     cfg: FlashConfig = runtime.cfg
     _check_tokenizer(runtime, init, data)
-    model = build_model(cfg.replace(weight_dtype="fp32", expert_dtype="fp32"), numerics)
+    model = build_model(cfg.replace(weight_dtype="fp32", expert_dtype="fp32"), numerics, device=device)
     missing, unexpected = model.load_state_dict(fp32_state(runtime.model), strict=False)
     if missing or unexpected:
         raise OpenflashError(f"--init {init}: its weights do not map onto an fp32 model of its config (missing "
@@ -69,20 +72,22 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics) -> tupl
 
 
 def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | None = None,
-               targets: tuple[str, ...] | None = None, train_engram: bool = False) -> Runtime:
-    """The checkpoint `init` kept as stored and frozen, with fresh fp32 LoRA adapters (`add_lora`) on `targets`
-    (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported beside the
-    checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no gradient,
-    and the released ones would not fit in memory. train_engram: the tables held in memory train too, only the rows
-    batches touch (model/engram_rows.py)."""
+               targets: tuple[str, ...] | None = None, train_engram: bool = False,
+               device: torch.device | str = "cpu") -> Runtime:
+    """The checkpoint `init` kept as stored and frozen on `device`, with fresh fp32 LoRA adapters (`add_lora`) on
+    `targets` (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported
+    beside the checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no
+    gradient, and the released ones would not fit in memory; next to a GPU, FP8 tables stay in host memory
+    (placement.py's `auto`). train_engram: the tables held in the model train too, only the rows batches touch
+    (model/engram_rows.py)."""
     on_disk = Path(init).is_dir() and (Path(init) / "engram_tables").is_dir()
     if train_engram and on_disk:
         raise OpenflashError(f"--train-engram: {init}'s Engram tables are read from {Path(init) / 'engram_tables'} "
                              f"on the disk tier, where rows do not train; without that folder they load into memory")
-    runtime = open_model(str(init), numerics="fp32", weights="stored", skip_engram_tables=on_disk)
+    engram = "disk" if on_disk else "device" if train_engram else "auto"
+    runtime = open_model(str(init), numerics="fp32",
+                         placement=Placement(device=str(device), weights="stored", engram=engram))
     _check_tokenizer(runtime, init, data)
-    if on_disk:
-        runtime.place_engram("disk")
     runtime.model.set_numerics(FINETUNE).train()
     try:
         add_lora(runtime.model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)

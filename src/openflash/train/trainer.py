@@ -25,6 +25,7 @@ only the newest `keep_checkpoints` are kept. Ctrl-C finishes the current step, s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -51,10 +52,11 @@ from openflash.model.compiled import check_toolchain
 from openflash.model.engram_table import DeviceTable
 from openflash.model.lora import adapter_weights, lora_alpha
 from openflash.model.numerics import TRAIN
+from openflash.placement import resolve_device
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
-from openflash.train.distributed import DistContext, all_reduce_grads
+from openflash.train.distributed import DistContext, all_reduce_grads, collective_device
 from openflash.train.finetune import init_model, load_adapter_weights, lora_model
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
@@ -110,6 +112,8 @@ class TrainConfig:
     lora_targets: list[str] | None = None  # regular expressions over module names (default model/lora.py's)
     checkpoint_activations: bool = False  # keep each block's inputs only; its forward reruns in the backward
     train_engram: bool = False  # with lora: the Engram rows batches touch train too (sparse, model/engram_rows.py)
+    device: str = "auto"  # placement.resolve_device: the first CUDA device (under torchrun the rank's) or the CPU
+    autocast: str = "off"  # "bf16": forward and backward under torch.autocast to bf16 (CUDA), master weights fp32
 
     def __post_init__(self) -> None:
         if self.init is not None and self.config is not None:
@@ -117,6 +121,8 @@ class TrainConfig:
                                  f"config from --init; leave --config out")
         if self.init is None and self.config is None:
             self.config = "small"
+        if self.autocast not in ("off", "bf16"):
+            raise OpenflashError(f"--autocast must be off or bf16, got {self.autocast!r}")
         if self.verify_init and self.init is None:
             raise OpenflashError("--verify checks the --init checkpoint; this run has none")
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
@@ -217,8 +223,12 @@ class Trainer:
             self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
 
         torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        if cfg.autocast != "off" and self.device.type != "cuda":
+            raise OpenflashError(f"--autocast {cfg.autocast} runs on a CUDA device (this run's is {self.device}); the "
+                                 f"CPU computes in fp32")
         if cfg.compile:
-            check_toolchain("cpu")
+            check_toolchain(self.device)
         numerics = TRAIN.with_compile(cfg.compile)
         # A fine-tuning run keeps its checkpoint's Engram addressing: the token map it carries (copied into every
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
@@ -228,14 +238,14 @@ class Trainer:
         init = self.base["path"] if self.base is not None else cfg.init
         if cfg.lora is not None:  # the base is read on every start (the one it began on); checkpoints hold adapters
             runtime = lora_model(init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
-                                 cfg.train_engram)
+                                 cfg.train_engram, self.device)
             self.model, self.model_cfg, self.token_map_file = runtime.model, runtime.cfg, None
         elif cfg.init is not None and self.resume_from is None:
-            self.model, frontend, init_folder = init_model(init, self.train_data, numerics)
+            self.model, frontend, init_folder = init_model(init, self.train_data, numerics, self.device)
             self.model_cfg = self.model.cfg
             self.token_map_file = find_token_map_file(init_folder) if init_folder is not None else None
         else:
-            self.model = build_model(self.model_cfg, numerics)
+            self.model = build_model(self.model_cfg, numerics, device=self.device)
         if frontend is None and self.token_map_file is not None:
             frontend = EngramFrontend.from_token_map(self.model_cfg, TokenMap.from_file(self.token_map_file,
                                                                                          self.model_cfg))
@@ -398,11 +408,12 @@ class Trainer:
         t0 = time.monotonic()
         step = self.step
         indexer_stage = step < self.schedule.indexer_warmup
-        inputs, targets = self.loader.batch_at(step)
+        inputs, targets = self._on_device(*self.loader.batch_at(step))
         multiplier = self.schedule.multiplier(step)
         self.optimizer.set_lr_multiplier(multiplier)
         self.optimizer.zero_grad()
-        out = self.runtime.forward(inputs, targets, dense_indexer=indexer_stage)
+        with self._autocast():
+            out = self.runtime.forward(inputs, targets, dense_indexer=indexer_stage)
         if indexer_stage:
             objective = out.indexer_loss
         elif out.indexer_loss is not None and cfg.indexer_loss_weight:
@@ -431,8 +442,8 @@ class Trainer:
             update_router_bias(model, loads, cfg.bias_update_rate)
         reset_expert_loads(model)
 
-        losses = torch.stack([out.loss.detach(), out.indexer_loss.detach() if out.indexer_loss is not None
-                              else torch.zeros(())])
+        losses = torch.stack([out.loss.detach().float(), out.indexer_loss.detach().float()
+                              if out.indexer_loss is not None else torch.zeros((), device=out.loss.device)])
         ctx.all_reduce_mean_(losses)
         loss, indexer_loss = float(losses[0]), float(losses[1])
         if not math.isfinite(loss):
@@ -453,6 +464,20 @@ class Trainer:
         record["loss_exact"] = loss  # full precision, for resume/equivalence checks
         return record
 
+    def _on_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the model's device: through pinned memory with an asynchronous copy on CUDA, so the copy
+        does not hold the step (the host reads the next batch's tokens while the GPU runs)."""
+        if self.device.type != "cuda":
+            return inputs, targets
+        return (inputs.pin_memory().to(self.device, non_blocking=True),
+                targets.pin_memory().to(self.device, non_blocking=True))
+
+    def _autocast(self) -> Any:
+        """bf16 autocast when asked (CUDA only, checked at start), else nothing."""
+        if self.cfg.autocast == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     # ---- evaluation ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -460,7 +485,7 @@ class Trainer:
         ctx, model = self.ctx, self.model
         was_training = model.training
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=collective_device())
         try:
             for inputs, targets in self.eval_set:
                 rows = inputs.shape[0]
@@ -468,7 +493,8 @@ class Trainer:
                 if hi <= lo:
                     continue
                 x, y = inputs[lo:hi], targets[lo:hi]
-                out = self.runtime.forward(x, y)
+                with self._autocast():
+                    out = self.runtime.forward(x, y)
                 trained = int((y != -100).sum())  # chat data: the reply tokens only
                 total[0] += float(out.loss) * trained
                 total[1] += trained

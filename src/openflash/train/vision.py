@@ -31,6 +31,7 @@ from openflash.errors import OpenflashError
 from openflash.files.jsonl import jsonl_records
 from openflash.model.transformer import Transformer
 from openflash.model.vision import ImageRows
+from openflash.placement import Placement
 from openflash.train.optim import Schedule
 from openflash.vision.prompt import IMAGE_PLACEHOLDER, PromptImage, text_prompt
 
@@ -123,7 +124,7 @@ def train_vision(cfg: VLTrainConfig) -> dict:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(cfg, name) < 1:
             raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    runtime = open_model(cfg.init, numerics="train", weights="dequantized")
+    runtime = open_model(cfg.init, numerics="train", placement=Placement(weights="dequantized"))
     model, tokenizer, source = runtime.model, runtime.tokenizer, runtime.folder
     examples = read_pairs(cfg.data, model.cfg, tokenizer, cfg.seq_len)
     for name, p in model.named_parameters():

@@ -1,4 +1,10 @@
-"""HostTable: FP8 rows in CPU RAM (pinned when CUDA exists); looked-up rows are copied to the device."""
+"""HostTable: FP8 rows in CPU RAM; looked-up rows are copied to the device.
+
+Next to a GPU, what is pinned is the staging memory each gather fills (a step's rows, kilobytes), which the copy
+to the GPU reads asynchronously; the table itself stays in ordinary pages. Pinning the table would buy nothing for
+this gather (the CPU reads it either way) and cost a second copy of it: PyTorch's pinned allocator also rounds each
+block up to a power of two, so the 94.6 GiB of a released table would ask for 128 GiB of page-locked RAM.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +24,7 @@ class HostTable(CountedTable):
         w8, s8 = as_uint8(weight).cpu().contiguous(), as_uint8(scale).cpu().contiguous()
         self.num_rows, self.dim = check_row_format(w8, s8, "Engram HostTable")
         self.device = output_device(device)
-        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
-        if self.pinned:
-            w8, s8 = w8.pin_memory(), s8.pin_memory()
+        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory  # the staging memory
         self.weight, self.scale = w8, s8
         self.stats = TableStats()
 

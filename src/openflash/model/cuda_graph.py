@@ -1,0 +1,190 @@
+"""A decode step replayed as a CUDA graph: the launches of a step recorded once, then replayed with one call.
+
+The decode graph (decode_graph.py) is one compiled program, but on a GPU the hundreds of kernel launches it makes,
+not their arithmetic, are a small model's step. A CUDA graph records those launches and replays them; what it
+needs is that every tensor a step touches sits at the same address on every replay:
+
+- what is new each step (the token ids, the Engram rows) is copied into input buffers the recording owns;
+- the cache is read and written where it lies, so a recording serves one cache as laid out then: every tensor and
+  container reachable from it (`bindings`), checked by identity before each replay. When that changes (the engine
+  regroups its batch, a compressed store grows into its next capacity bucket) the step is recorded again;
+- the step's Python code rebinds a few cache attributes to new tensors (`cache.pos = cache.pos + 1`): inside the
+  recording, each new value is copied back into the tensor the cache held before, which is bound again, so after
+  every replay the cache holds the same tensors, advanced by one token.
+
+Recording does not run anything, so a step at shapes not seen before first runs normally (compiling what it needs,
+outside any recording); the next step at those shapes is recorded, then replayed. A recording that fails (an
+operation CUDA graphs cannot hold, a structural change inside the step) restores the cache's bindings, which is
+all it touched, logs why once, and runs the step normally from then on for that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("openflash.model")
+
+MAX_RECORDINGS = 8  # cache layouts kept recorded (the oldest is dropped); each holds its own intermediates
+
+
+class NotRecordable(Exception):
+    """The step cannot be recorded as it is (the reason says why)."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One object held by a container of the cache: holder[key] or holder.key."""
+
+    holder: Any
+    key: Any
+    value: Any
+
+    def current(self) -> Any:
+        return self.holder[self.key] if isinstance(self.holder, (dict, list)) else getattr(self.holder, self.key)
+
+    def bind(self, value: Any) -> None:
+        if isinstance(self.holder, (dict, list)):
+            self.holder[self.key] = value
+        else:
+            setattr(self.holder, self.key, value)
+
+
+def bindings(root: Any, skip: tuple[str, ...] = ()) -> list[Binding]:
+    """Every tensor and container reachable from `root` through attributes, dicts and lists, with where it is held
+    (root's attributes named in `skip` left out). Tuples holding tensors are refused: a rebinding inside one could
+    not be undone."""
+    out: list[Binding] = []
+    seen: set[int] = set()
+    stack: list[Any] = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, list):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+            items = [(k, v) for k, v in vars(obj).items() if not (obj is root and k in skip)]
+        else:
+            continue
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                out.append(Binding(obj, key, value))
+            elif isinstance(value, tuple):
+                if any(isinstance(v, torch.Tensor) for v in value):
+                    raise NotRecordable(f"a tuple of tensors at {type(obj).__name__}.{key}")
+            elif isinstance(value, (dict, list)) or (hasattr(value, "__dict__") and not isinstance(value, type)):
+                out.append(Binding(obj, key, value))
+                stack.append(value)
+    return out
+
+
+@dataclass
+class _Recording:
+    graph: "torch.cuda.CUDAGraph"
+    ids: torch.Tensor  # input buffers, copied into before each replay
+    rows: dict[int, torch.Tensor] | None
+    logits: torch.Tensor  # the step's output, overwritten by each replay
+    layout: list[Binding]  # the cache as recorded
+
+    def fits(self, ids: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> bool:
+        if ids.shape != self.ids.shape or (rows is None) != (self.rows is None):
+            return False
+        if rows is not None and any(rows[s].shape != t.shape for s, t in self.rows.items()):
+            return False
+        return all(b.current() is b.value for b in self.layout)
+
+
+class CudaGraphStep:
+    """Runs `step(model, ids, cache, rows)` through CUDA graph recordings (module doc); `rows` is a mapping
+    slot -> tensor wrapped by `wrap_rows` before the step sees it."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], wrap_rows: Callable[[dict[int, torch.Tensor]], Any],
+                 skip: tuple[str, ...] = ()) -> None:
+        self.step, self.wrap_rows, self.skip = step, wrap_rows, skip
+        self._recordings: OrderedDict[tuple, _Recording] = OrderedDict()
+        self._warm: set[tuple] = set()  # shapes a step has run at (compiled there)
+        self._refused: set[tuple] = set()  # shapes whose recording failed: they run normally
+        self._pool: Any = None
+        self.replays = 0
+        self.recorded = 0
+
+    def __call__(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None
+                 ) -> torch.Tensor:
+        for key, rec in reversed(self._recordings.items()):
+            if rec.fits(ids, rows):
+                self._recordings.move_to_end(key)
+                rec.ids.copy_(ids)
+                if rows is not None:
+                    for slot, buffer in rec.rows.items():
+                        buffer.copy_(rows[slot])
+                rec.graph.replay()
+                self.replays += 1
+                return rec.logits.clone()
+        try:
+            layout = bindings(cache, self.skip)
+        except NotRecordable as exc:
+            return self._plain(model, ids, cache, rows, None, str(exc))
+        shapes = (tuple(ids.shape), tuple(sorted((s, tuple(t.shape)) for s, t in (rows or {}).items())),
+                  tuple(tuple(b.value.shape) for b in layout if isinstance(b.value, torch.Tensor)))
+        if shapes in self._refused or shapes not in self._warm:
+            self._warm.add(shapes)
+            return self._plain(model, ids, cache, rows)
+        try:
+            rec = self._record(model, ids, cache, rows, layout)
+        except Exception as exc:  # nothing ran: the cache's bindings are back as they were
+            self._refused.add(shapes)
+            return self._plain(model, ids, cache, rows, shapes, f"{type(exc).__name__}: {exc}")
+        self._recordings[(shapes, id(rec))] = rec
+        while len(self._recordings) > MAX_RECORDINGS:
+            self._recordings.popitem(last=False)
+        rec.graph.replay()
+        self.replays += 1
+        return rec.logits.clone()
+
+    def _plain(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None,
+               shapes: tuple | None = None, why: str | None = None) -> torch.Tensor:
+        if why is not None:
+            log.warning("decode step not recorded as a CUDA graph (%s); it runs as compiled code", why)
+        return self.step(model, ids, cache, None if rows is None else self.wrap_rows(rows))
+
+    def _record(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None,
+                layout: list[Binding]) -> _Recording:
+        static_ids = ids.clone()
+        static_rows = None if rows is None else {s: t.clone() for s, t in rows.items()}
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(ids.device)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.step(model, static_ids, cache, None if static_rows is None
+                                   else self.wrap_rows(static_rows))
+                for b in layout:  # rebound by the step: copied back into the tensor the cache held
+                    now = b.current()
+                    if now is b.value:
+                        continue
+                    if not (isinstance(now, torch.Tensor) and isinstance(b.value, torch.Tensor)
+                            and now.shape == b.value.shape and now.dtype == b.value.dtype):
+                        raise NotRecordable(f"the step replaced {type(b.holder).__name__}.{b.key}")
+                    b.value.copy_(now)
+                    b.bind(b.value)
+                after = bindings(cache, self.skip)
+                if len(after) != len(layout):
+                    raise NotRecordable("the step changed the cache's structure")
+        except Exception:
+            for b in layout:
+                b.bind(b.value)
+            raise
+        self.recorded += 1
+        return _Recording(graph, static_ids, static_rows, logits, layout)
+
+
+__all__ = ["CudaGraphStep", "bindings", "Binding", "NotRecordable", "MAX_RECORDINGS"]

@@ -1,0 +1,160 @@
+"""The device as a placement (placement.py): --device on the commands, one Placement value from flags or plan.json,
+Engram tables off the accelerator by default; the CUDA graph recording's bookkeeping (model/cuda_graph.py). The
+tests marked `cuda` need a GPU and skip without one (benchmarks/gpu.py runs the same checks and times them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from openflash.checkpoint import open_model
+from openflash.cli import main as cli_main
+from openflash.engine.generate import generate
+from openflash.engine.sampling import SamplingParams
+from openflash.errors import OpenflashError
+from openflash.model.cuda_graph import Binding, NotRecordable, bindings
+from openflash.placement import Placement, resolve_device
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu.py runs it there)")
+
+
+def test_devices_resolve_or_are_refused_in_one_line(capsys):
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(OpenflashError, match=r"--device cuda: no CUDA device is visible here"):
+            resolve_device("cuda")
+        assert cli_main(["generate", "--model", "tiny", "--prompt", "x", "--device", "cuda:0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "no CUDA device" in err
+    with pytest.raises(OpenflashError, match=r"--device 'gpu0': not a device"):
+        resolve_device("gpu0")
+    with pytest.raises(OpenflashError, match="openflash runs on the CPU or on CUDA"):
+        resolve_device("meta")
+
+
+def test_one_placement_from_the_flags_or_a_plan(tmp_path):
+    args = argparse.Namespace(device="cpu", weights="stored", expert_placement="host", expert_cache_bytes=7,
+                              expert_prefetch=False, expert_direct_io=False, engram_placement="disk",
+                              engram_table_dir=None, engram_cache_bytes=0, engram_io_threads=2, compile=False,
+                              placement=None)
+    placement = Placement.from_args(args)
+    assert (placement.device, placement.weights, placement.experts, placement.engram) == ("cpu", "stored", "host",
+                                                                                          "disk")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"run": {"weights": "stored", "expert_placement": "disk", "expert_cache_bytes": 5,
+                                        "engram_placement": "host", "engram_cache_bytes": 0}}))
+    with pytest.raises(OpenflashError, match=r"--placement .* sets --weights, --expert-placement"):
+        Placement.from_args(argparse.Namespace(**{**vars(args), "placement": str(plan)}))
+    defaults = argparse.Namespace(**{**vars(args), "weights": "auto", "expert_placement": "device",
+                                     "expert_cache_bytes": 0, "engram_placement": "auto", "placement": str(plan)})
+    planned = Placement.from_args(defaults)
+    assert (planned.experts, planned.expert_cache_bytes, planned.engram) == ("disk", 5, "host")
+    with pytest.raises(OpenflashError, match="Engram placement must be one of"):
+        Placement(engram="hbm")
+
+
+def test_engram_auto_is_the_model_memory_on_the_cpu_and_host_next_to_a_gpu():
+    on_cpu = Placement(device="cpu")
+    assert on_cpu.engram_tier(fp8_tables=True) == "device"
+    assert Placement(device="cpu", engram="host").engram_tier(fp8_tables=False) == "host"
+    if torch.cuda.is_available():
+        assert Placement(device="cuda").engram_tier(fp8_tables=True) == "host"
+        assert Placement(device="cuda").engram_tier(fp8_tables=False) == "device"
+
+
+def test_generate_on_the_cpu_through_the_device_flag(capsys):
+    assert cli_main(["generate", "--model", "tiny", "--prompt", "def f", "--max-tokens", "3", "--device", "cpu",
+                     "--engram-placement", "host"]) == 0
+    assert "3 generated" in capsys.readouterr().out
+
+
+def test_a_checkpoint_on_the_host_tier_never_loads_its_tables_into_the_model(tmp_path):
+    """With the Engram tier off the device, the checkpoint's tables are read by the host tier straight from the
+    files (the model's own tables stay unread, on the meta device): what keeps them out of a GPU's memory."""
+    from openflash.checkpoint import build_model, save_checkpoint
+    from openflash.config import load_config
+    from openflash.tokenizer import preset_tokenizer
+
+    cfg = load_config("tiny")
+    preset_tokenizer(cfg).save(str(tmp_path / "tok.json"))
+    torch.manual_seed(0)
+    save_checkpoint(build_model(cfg), tmp_path / "ckpt", tokenizer_json=tmp_path / "tok.json", dtype="fp8")
+    hosted = open_model(str(tmp_path / "ckpt"), placement=Placement(device="cpu", engram="host"))
+    own = open_model(str(tmp_path / "ckpt"), placement=Placement(device="cpu", engram="device"))
+    assert hosted.memory.placement == "host"
+    assert all(t.weight.device.type == "meta" for t in hosted.model.engram_tables().values())
+    params = SamplingParams(max_tokens=6)
+    assert generate(hosted, "def fib(n):", params).token_ids == generate(own, "def fib(n):", params).token_ids
+
+
+@dataclass
+class _Store:
+    kv: torch.Tensor
+    length: torch.Tensor
+
+
+@dataclass
+class _Cache:
+    pos: torch.Tensor
+    stores: dict
+    engram: object = None
+
+
+def test_bindings_find_every_tensor_and_container_of_a_cache_and_undo_rebinds():
+    """What a CUDA graph recording checks and restores: every tensor reachable from the cache with its holder,
+    containers included (a replaced store is seen), the skipped attributes left out."""
+    cache = _Cache(torch.zeros(2), {3: _Store(torch.zeros(2, 4), torch.zeros(2))}, engram=torch.ones(1))
+    found = bindings(cache, skip=("engram",))
+    tensors = {id(b.value) for b in found if isinstance(b.value, torch.Tensor)}
+    assert tensors == {id(cache.pos), id(cache.stores[3].kv), id(cache.stores[3].length)}
+    assert any(b.value is cache.stores for b in found) and any(b.value is cache.stores[3] for b in found)
+    pos = next(b for b in found if b.key == "pos")
+    cache.pos = cache.pos + 1  # a step's rebinding, undone as a failed recording does
+    assert pos.current() is not pos.value
+    pos.bind(pos.value)
+    assert cache.pos is pos.value
+    dict_binding = Binding(cache.stores, 3, cache.stores[3])
+    cache.stores[3] = _Store(torch.zeros(2, 8), torch.zeros(2))  # a store grown into a new one: seen
+    assert dict_binding.current() is not dict_binding.value
+    with pytest.raises(NotRecordable, match="tuple of tensors"):
+        bindings(_Cache(torch.zeros(1), {0: (torch.zeros(1),)}))
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------
+
+@cuda
+def test_cuda_graph_replay_equals_the_compiled_step():
+    """The same compiled decode graph, replayed from CUDA graph recordings and run as compiled code: the same
+    kernels, so the same logits step by step (teacher-forced), while the cache advances alike."""
+    rt = open_model("tiny", numerics="fp32", placement=Placement(device="cuda", compile=True))
+    prompt, tokens = list(range(5, 40)), list(range(50, 70))
+
+    def forced() -> list[torch.Tensor]:
+        cache = rt.new_cache(1)
+        out = [rt.step(torch.tensor([prompt]), cache).cpu()]
+        out += [rt.decode(torch.tensor([t]), cache).cpu() for t in tokens]
+        return out
+
+    replayed = forced()
+    graph = next(iter(rt.graphs.values()))
+    stats = graph.stats()
+    assert stats["cuda_graphs_recorded"] >= 1 and stats["cuda_graph_replays"] >= len(tokens) - 3
+    graph._replayed = None
+    for a, b in zip(replayed, forced()):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), float((a - b).abs().max())
+
+
+@cuda
+@pytest.mark.parametrize("numerics", ["fp32", "reference"])
+def test_parity_on_cuda(numerics):
+    from openflash.tools.parity import run_golden
+
+    for golden in ("tests/goldens/A", "tests/goldens/A2", "tests/goldens/B2", "tests/goldens/D"):
+        failed = [c.key for c in run_golden(golden, numerics, device="cuda") if not c.passed]
+        assert not failed, (golden, failed[:5])
