@@ -116,7 +116,7 @@ class Runtime:
         """A prefill chunk or decode step [B, S] after what `cache` holds (Transformer.step has the arguments):
         its Engram rows prepared, its experts supplied, a decode step run as one graph where the compiled backend
         can. adapters: each row's LoRA adapter slot (`adapter_slot`; None: the base model for every row)."""
-        ids = input_ids.unsqueeze(1) if input_ids.dim() == 1 else input_ids
+        ids, images = self._on_device(input_ids, images)
         rows = self._rows(ids, cache, images, lengths, probe)
         graph = self._graph() if ids.shape[1] == 1 and not all_logits and lengths is None else None
         if graph is not None and graph.why_not(cache, images, probe, False, self.experts) is None:
