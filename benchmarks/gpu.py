@@ -49,8 +49,8 @@ GiB = 1 << 30
 class Bench:
     """The run's device, deadline and results."""
 
-    def __init__(self, device: torch.device, budget_s: float, dry: bool) -> None:
-        self.device, self.dry = device, dry
+    def __init__(self, device: torch.device, budget_s: float, dry: bool, out: Path) -> None:
+        self.device, self.dry, self.out = device, dry, out
         self.deadline = time.monotonic() + budget_s
         self.results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                                         else "cpu (dry run)", "torch": torch.__version__}
@@ -83,6 +83,8 @@ class Bench:
             self.results[name] = {"error": f"{type(exc).__name__}: {exc}",
                                   "trace": traceback.format_exc().splitlines()[-8:]}
         self.results[name + "_seconds"] = round(time.monotonic() - start, 1)
+        self.out.parent.mkdir(parents=True, exist_ok=True)  # after every section: a run stopped later keeps it
+        self.out.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
         print(f"[{name}] {time.monotonic() - start:.1f} s: {json.dumps(self.results[name], default=str)[:600]}",
               flush=True)
 
@@ -316,15 +318,13 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA device (--dry-run checks it on the CPU)", file=sys.stderr)
         return 2
-    b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run)
+    b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run, Path(args.out))
     sections = [("hardware", 5, hardware), ("parity", 40, parity), ("decode", 90, decode),
                 ("released", 150, lambda bb: released(bb, Path(args.cut_dir))), ("engine", 90, engine),
                 ("train", 30, train)]
     for name, needs, fn in sections:
         if name not in args.skip:
             b.section(name, needs if not args.dry_run else 0, fn)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(b.results, indent=1, default=str) + "\n")
     print(table(b.results))
     return 0
 

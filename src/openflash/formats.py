@@ -53,10 +53,29 @@ def _e4m3_value(code: int) -> float:
     return sign * (1 + m / 8) * 2.0 ** (e - 7)
 
 
+class DeviceConstant:
+    """A read-only table computed once on the CPU, copied once to each device that reads it: copied per call, it
+    would be a host-to-device transfer inside every step, which a CUDA graph cannot record (and which waits)."""
+
+    def __init__(self, values: Tensor) -> None:
+        self.cpu = values
+        self._copies: dict[torch.device, Tensor] = {}
+
+    def on(self, device: torch.device) -> Tensor:
+        if device.type == "cpu":
+            return self.cpu
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = self._copies[device] = self.cpu.to(device)
+        return copy
+
+
 # Read-only lookup tables (built once from the format definitions; exact in fp32).
 _E4M3_TABLE = torch.tensor([_e4m3_value(c) for c in range(256)], dtype=torch.float32)
 _E2M1_TABLE = torch.tensor(list(_E2M1_MAGNITUDES) + [-v for v in _E2M1_MAGNITUDES], dtype=torch.float32)
-_E2M1_PAIRS = torch.stack((_E2M1_TABLE[torch.arange(256) & 0xF], _E2M1_TABLE[torch.arange(256) >> 4]), dim=-1)
+_E2M1_CODES = DeviceConstant(_E2M1_TABLE)
+_E2M1_PAIRS = DeviceConstant(torch.stack((_E2M1_TABLE[torch.arange(256) & 0xF], _E2M1_TABLE[torch.arange(256) >> 4]),
+                                         dim=-1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,7 +217,7 @@ def e2m1_encode(v: Tensor) -> Tensor:
 def e2m1_decode(codes: Tensor) -> Tensor:
     """E2M1 codes 0..15 -> fp32 values (code 8 is -0)."""
     c = as_uint8(codes)
-    return _E2M1_TABLE.to(c.device)[(c & 0xF).int()]
+    return _E2M1_CODES.on(c.device)[(c & 0xF).int()]
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -412,7 +431,7 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
     float4_e2m1fn_x2), scale [..., N, K/32]."""
     _check_pair(packed, scale, 2, block, "dequantize_mxfp4")
     p = as_uint8(packed)
-    pairs = torch.nn.functional.embedding(p.int(), _E2M1_PAIRS.to(p.device))  # [..., K/2, 2]: low nibble first
+    pairs = torch.nn.functional.embedding(p.int(), _E2M1_PAIRS.on(p.device))  # [..., K/2, 2]: low nibble first
     v = _blocks(pairs.flatten(-2), block, "dequantize_mxfp4")
     return (v * ue8m0_decode(scale).unsqueeze(-1)).flatten(-2)
 

@@ -108,7 +108,7 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torc
     zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
     zc = zc.masked_fill(~selected_mask.unsqueeze(2), float("-inf"))
     m = torch.maximum(torch.maximum(zw.amax(-1), zc.amax(-1) if zc.shape[-1] else zw.amax(-1)),
-                      torch.tensor(_MAX_FLOOR, device=q.device)).detach()
+                      torch.full((), _MAX_FLOOR, device=q.device)).detach()  # a fill, no host-to-device copy
     pw, pc = torch.exp(zw - m.unsqueeze(-1)), torch.exp(zc - m.unsqueeze(-1))
     denom = pw.sum(-1) + pc.sum(-1) + torch.exp(sink.view(1, 1, -1) - m)
     # The reference kernel casts probabilities to bf16 before the P.V product (quant_and_cache.md §4).

@@ -12,6 +12,7 @@ import math
 import torch
 
 from openflash.config import FlashConfig
+from openflash.formats import DeviceConstant
 
 
 def rope_frequencies(cfg: FlashConfig, theta: float, yarn: bool) -> torch.Tensor:
@@ -36,11 +37,11 @@ class Rotary:
 
     def __init__(self, cfg: FlashConfig, theta: float, yarn: bool) -> None:
         self.rope_dim = cfg.qk_rope_head_dim
-        self.freqs = rope_frequencies(cfg, theta, yarn)
+        self.freqs = DeviceConstant(rope_frequencies(cfg, theta, yarn))
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [...] -> (cos, sin) fp32 [..., rope_dim/2]."""
-        freqs = self.freqs.to(positions.device)
+        freqs = self.freqs.on(positions.device)
         angle = positions.to(torch.float32).unsqueeze(-1) * freqs
         if torch.compiler.is_compiling():  # (no complex ops in a compiled graph: polar(1, a) is cos a + i sin a)
             return torch.cos(angle), torch.sin(angle)
