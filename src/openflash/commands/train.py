@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -13,8 +14,8 @@ from pathlib import Path
 import torch
 
 from openflash.errors import OpenflashError
-from openflash.tools.demo import DemoConfig, run_demo
 from openflash.placement import resolve_device
+from openflash.tools.demo import DemoConfig, run_demo
 from openflash.train.distributed import init_from_env
 from openflash.train.plot import plot_run
 from openflash.train.prepare import prepare_dataset
@@ -104,6 +105,10 @@ def train(args: argparse.Namespace) -> int:
                              "--dspark and --vision-data run eagerly")
     if args.lora is not None and (args.dspark or args.vision_data):
         raise OpenflashError("--lora trains adapters on text or chats (openflash train --data ... --init MODEL)")
+    if (args.dspark or args.vision_data) and args.device not in ("auto", "cpu"):
+        raise OpenflashError(f"--device {args.device}: --dspark and --vision-data train on the CPU (not yet on a GPU)")
+    if (args.dspark or args.vision_data) and resolve_device(args.device).type != "cpu":
+        print("note: --dspark and --vision-data train on the CPU (not yet on a GPU)", file=sys.stderr)
     if args.dspark:
         return train_dspark(args)
     if args.vision_data:

@@ -15,7 +15,8 @@ needs is that every tensor a step touches sits at the same address on every repl
 Recording does not run anything, so a step at shapes not seen before first runs normally (compiling what it needs,
 outside any recording); the next step at those shapes is recorded, then replayed. A recording that fails (an
 operation CUDA graphs cannot hold, a structural change inside the step) restores the cache's bindings, which is
-all it touched, logs why once, and runs the step normally from then on for that shape.
+all it touched, logs why, and turns recording off: the step runs as compiled code from then on (what failed once,
+a host-to-device copy say, fails at every shape).
 """
 
 from __future__ import annotations
@@ -111,13 +112,15 @@ class CudaGraphStep:
         self.step, self.wrap_rows, self.skip = step, wrap_rows, skip
         self._recordings: OrderedDict[tuple, _Recording] = OrderedDict()
         self._warm: set[tuple] = set()  # shapes a step has run at (compiled there)
-        self._refused: set[tuple] = set()  # shapes whose recording failed: they run normally
+        self.off: str | None = None  # why recording was turned off (a recording failed), or None
         self._pool: Any = None
         self.replays = 0
         self.recorded = 0
 
     def __call__(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None
                  ) -> torch.Tensor:
+        if self.off is not None:
+            return self._plain(model, ids, cache, rows)
         for key, rec in reversed(self._recordings.items()):
             if rec.fits(ids, rows):
                 self._recordings.move_to_end(key)
@@ -131,17 +134,16 @@ class CudaGraphStep:
         try:
             layout = bindings(cache, self.skip)
         except NotRecordable as exc:
-            return self._plain(model, ids, cache, rows, None, str(exc))
+            return self._turn_off(str(exc), model, ids, cache, rows)
         shapes = (tuple(ids.shape), tuple(sorted((s, tuple(t.shape)) for s, t in (rows or {}).items())),
                   tuple(tuple(b.value.shape) for b in layout if isinstance(b.value, torch.Tensor)))
-        if shapes in self._refused or shapes not in self._warm:
+        if shapes not in self._warm:
             self._warm.add(shapes)
             return self._plain(model, ids, cache, rows)
         try:
             rec = self._record(model, ids, cache, rows, layout)
         except Exception as exc:  # nothing ran: the cache's bindings are back as they were
-            self._refused.add(shapes)
-            return self._plain(model, ids, cache, rows, shapes, f"{type(exc).__name__}: {exc}")
+            return self._turn_off(f"{type(exc).__name__}: {exc}", model, ids, cache, rows)
         self._recordings[(shapes, id(rec))] = rec
         while len(self._recordings) > MAX_RECORDINGS:
             self._recordings.popitem(last=False)
@@ -149,11 +151,16 @@ class CudaGraphStep:
         self.replays += 1
         return rec.logits.clone()
 
-    def _plain(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None,
-               shapes: tuple | None = None, why: str | None = None) -> torch.Tensor:
-        if why is not None:
-            log.warning("decode step not recorded as a CUDA graph (%s); it runs as compiled code", why)
+    def _plain(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None
+               ) -> torch.Tensor:
         return self.step(model, ids, cache, None if rows is None else self.wrap_rows(rows))
+
+    def _turn_off(self, why: str, model: Any, ids: torch.Tensor, cache: Any,
+                  rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        self.off = why
+        self._recordings.clear()
+        log.warning("decode steps are not recorded as CUDA graphs (%s); they run as compiled code", why)
+        return self._plain(model, ids, cache, rows)
 
     def _record(self, model: Any, ids: torch.Tensor, cache: Any, rows: dict[int, torch.Tensor] | None,
                 layout: list[Binding]) -> _Recording:

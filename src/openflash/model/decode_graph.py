@@ -160,7 +160,8 @@ class DecodeGraph:
         graph recordings made and the steps replayed from them."""
         out = {"steps": self.steps, "graphs": self.graphs, "compile_seconds": self.compile_seconds}
         if self._replayed is not None:
-            out.update(cuda_graphs_recorded=self._replayed.recorded, cuda_graph_replays=self._replayed.replays)
+            out.update(cuda_graphs_recorded=self._replayed.recorded, cuda_graph_replays=self._replayed.replays,
+                       cuda_graphs_off=self._replayed.off)
         return out
 
     def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:
