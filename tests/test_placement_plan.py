@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from openflash.errors import OpenflashError
-from openflash.tools.placement_plan import WORK_RESERVE, GiB, parse_size, plan_placement
+from openflash.sizes import parse_size
+from openflash.tools.placement_plan import WORK_RESERVE, GiB, plan_placement
 from openflash.tools.synth import synthesize
 
 

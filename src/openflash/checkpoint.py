@@ -33,6 +33,7 @@ from openflash import formats
 from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.files.atomic import write_text_atomic
+from openflash.files.hub import hub_snapshot, looks_like_repo_id
 from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
@@ -74,12 +75,14 @@ class LoadReport:
     tokenizer: Tokenizer | None = None  # the checkpoint's tokenizer.json, else the DeepSeek tokenizer
     tokenizer_source: str = ""  # which tokenizer that is, for error messages
     engram_frontend: EngramFrontend | None = None  # token map (its own file, else the tokenizer's) and hasher
+    token_map_source: str = ""  # where the Engram token map came from (a file of the folder, or the tokenizer)
 
     def summary(self) -> str:
         text = f"{self.path}: loaded {self.tensors} tensors"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{v} {k}" for k, v in self.skipped.items())
-        return text + f"; weights {self.residency}"
+        text += f"; weights {self.residency}"
+        return text + (f"; Engram token map {self.token_map_source}" if self.token_map_source else "")
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -122,8 +125,11 @@ def build_model(cfg: FlashConfig, numerics: str | Numerics = "fp32", *,
 
 
 def checkpoint_folder(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the latest checkpoint of a training run folder."""
+    """A checkpoint folder as given, the latest checkpoint of a training run folder, or the local snapshot of a
+    Hugging Face model id ('org/name', files/hub.py: offline, from the hub cache)."""
     folder = Path(path)
+    if not folder.exists() and looks_like_repo_id(str(path)):
+        folder = hub_snapshot(str(path))
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
     if (folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists():
@@ -217,6 +223,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         tokenizer_source = f"the DeepSeek tokenizer ({folder} has no tokenizer.json)"
     map_file = find_token_map_file(folder) if cfg.engram_layer_ids else None
     token_map = TokenMap.from_file(map_file, cfg) if map_file is not None else None
+    map_source = "" if not cfg.engram_layer_ids else f"from {map_file.name}" if map_file is not None else \
+        "derived from the tokenizer"
     if map_file is not None:
         log.info("%s: Engram token map read from %s (not derived from a tokenizer)", folder, map_file.name)
     model = build_model(cfg, numerics, device="meta")
@@ -227,7 +235,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", num
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES} or auto, got {weights!r}")
     keep_bf16 = _bf16_matrices(model) if weights == "stored" else set()
     report = LoadReport(folder, tokenizer=tokenizer, tokenizer_source=tokenizer_source,
-                        engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map))
+                        engram_frontend=EngramFrontend.of(cfg, tokenizer, token_map), token_map_source=map_source)
 
     problems: list[str] = []
     present = set(files.names())

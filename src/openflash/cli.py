@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from openflash.errors import OpenflashError
 from openflash.placement import DEVICE_HELP, ENGRAM_TIERS, EXPERT_TIERS
+from openflash.sizes import SIZE_HELP, size_bytes
 
 WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights), stored (only the stored bytes resident, "
                 "computed by the native kernels up to 16 rows, dequantized tile by tile beyond: memory = checkpoint "
@@ -58,8 +59,8 @@ def _placement_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-placement", default="device", choices=list(EXPERT_TIERS),
                         help="where the routed experts live: device (the model's memory, default), host (read once "
                              "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
-    parser.add_argument("--expert-cache-bytes", type=int, default=0,
-                        help="with host / disk: bytes of recently used experts kept ready (LRU; 0 = no limit)")
+    parser.add_argument("--expert-cache-bytes", type=size_bytes, default=0, metavar="SIZE",
+                        help=f"with host / disk: recently used experts kept ready (LRU; 0 = no limit); {SIZE_HELP}")
     parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                         help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
                              "on CPU, nccl on GPU): each holds 1/N of them, the rest is replicated; a server's rank 0 "
@@ -75,7 +76,8 @@ def _placement_flags(parser: argparse.ArgumentParser) -> None:
                              "pinned, rows copied ahead; the model's memory on the CPU), device, host, disk")
     parser.add_argument("--engram-table-dir", default=None,
                         help="folder of table files from `openflash engram export` (disk placement)")
-    parser.add_argument("--engram-cache-bytes", type=int, default=0, help="row cache of the disk tier, in bytes")
+    parser.add_argument("--engram-cache-bytes", type=size_bytes, default=0, metavar="SIZE",
+                        help=f"row cache of the disk tier (0: 64 MiB a table); {SIZE_HELP}")
     parser.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
 
 
@@ -123,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--engram-placement", default="host", choices=["device", "host", "disk", "sharded"],
                       help="where the Engram tables live (affects the bytes-by-location table)")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    plan.add_argument("--memory", default=None, metavar="SIZE",
+    plan.add_argument("--memory", type=size_bytes, default=None, metavar="SIZE",
                       help="host RAM to plan for (e.g. 24GiB): prints where each part goes so that it fits, the bytes a "
                            "decode token reads from each tier and the tokens/s they allow")
-    plan.add_argument("--accelerator-memory", default=None, metavar="SIZE", help="with --memory: an accelerator's")
+    plan.add_argument("--accelerator-memory", type=size_bytes, default=None, metavar="SIZE",
+                      help=f"with --memory: an accelerator's; {SIZE_HELP}")
     plan.add_argument("--batch", type=int, default=1, help="with --memory: sequences whose KV cache must fit")
     plan.add_argument("--measure", action="store_true",
                       help="with --memory: measure this machine's RAM and disk read bandwidth (writes a 1 GiB scratch "
@@ -174,10 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--experts", type=int, default=None, help="routed experts per layer (top-k capped at N)")
     synth.add_argument("--seed", type=int, default=0, help="random seed")
     synth.add_argument("--no-vision", action="store_true", help="leave out the vision tower")
-    synth.add_argument("--shard-bytes", type=int, default=4 << 30, help="largest shard (default 4 GiB)")
-    synth.add_argument("--dense-table-bytes", type=int, default=1 << 30,
+    synth.add_argument("--shard-bytes", type=size_bytes, default=4 << 30, metavar="SIZE",
+                       help=f"largest shard (default 4GiB); {SIZE_HELP}")
+    synth.add_argument("--dense-table-bytes", type=size_bytes, default=1 << 30, metavar="SIZE",
                        help="Engram tables above this size are written as SPARSE files of zero rows (no disk space, "
-                            "read back as zeros; the released 94.4 GiB tables always are); smaller ones get random rows")
+                            "read back as zeros; the released 94.4 GiB tables always are); smaller ones get random rows "
+                            f"(default 1GiB); {SIZE_HELP}")
 
     # lora --------------------------------------------------------------------------------------------------
     lora = sub.add_parser("lora", help="LoRA adapters (trained with `openflash train --lora`)")
@@ -379,14 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens")
     serve.add_argument("--thinking", action="store_true",
                        help="chat requests that do not say are answered in thinking mode (default: chat mode)")
-    serve.add_argument("--max-request-bytes", type=int, default=32 << 20,
-                       help="largest request body accepted; larger ones get 413 before they are read (default 32 MiB: "
-                            "images arrive inline as base64)")
+    serve.add_argument("--max-request-bytes", type=size_bytes, default=32 << 20, metavar="SIZE",
+                       help="largest request body accepted; larger ones get 413 before they are read (default 32MiB: "
+                            f"images arrive inline as base64); {SIZE_HELP}")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request body whose next bytes take longer than this gets 408 (a stalled upload does "
                             "not hold its connection)")
     serve.add_argument("--max-images", type=int, default=8, help="most images per request (vision models)")
-    serve.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest encoded image (default 20 MiB)")
+    serve.add_argument("--max-image-bytes", type=size_bytes, default=20 << 20, metavar="SIZE",
+                       help=f"largest encoded image (default 20MiB); {SIZE_HELP}")
     serve.add_argument("--max-image-pixels", type=int, default=40_000_000,
                        help="largest image, width x height, checked before decoding (default 40 Mpx)")
     serve.add_argument("--allowed-local-image-dir", default=None, metavar="DIR",

@@ -63,10 +63,9 @@ def plan(args: Any) -> int:
 
 def plan_memory(args: Any) -> int:
     """`openflash plan MODEL --memory SIZE [--accelerator-memory SIZE] [--measure] [--out plan.json]`."""
-    from openflash.tools.placement_plan import measure_bandwidth, parse_size, plan_placement, write_placement
+    from openflash.tools.placement_plan import measure_bandwidth, plan_placement, write_placement
 
-    memory = parse_size(args.memory, "--memory")
-    accelerator = parse_size(args.accelerator_memory, "--accelerator-memory") if args.accelerator_memory else None
+    memory, accelerator = args.memory, args.accelerator_memory  # bytes (sizes.size_bytes)
     bandwidth = measure_bandwidth() if args.measure else None
     p = plan_placement(args.config, memory, accelerator, args.context, args.batch, bandwidth)
     if args.out:

@@ -29,10 +29,12 @@ from openflash.files.cache import cache_dir
 if TYPE_CHECKING:
     from openflash.config import FlashConfig
 
-# A checkpoint may carry its own map beside config.json, for models whose tokenizer is not DeepSeek's; the first of
-# these files found is read (TokenMap.from_file). The JSON form is a list of ints, or an object holding that list
-# under one of TOKEN_MAP_JSON_KEYS.
-TOKEN_MAP_FILES = ("engram_token_map.npy", "engram_token_map.json")
+# A checkpoint may carry its own map beside config.json, for models whose tokenizer is not DeepSeek's: the file
+# config.json names under one of TOKEN_MAP_CONFIG_KEYS, else the first of these files found (openflash's own, then
+# what other V4.1 implementations write: colibri's dsv41_engram.json). The JSON form is a list of ints, or an object
+# holding that list under one of TOKEN_MAP_JSON_KEYS.
+TOKEN_MAP_FILES = ("engram_token_map.npy", "engram_token_map.json", "dsv41_engram.json")
+TOKEN_MAP_CONFIG_KEYS = ("engram_token_map_file", "engram_token_map")
 TOKEN_MAP_JSON_KEYS = ("token_map", "compressed_ids", "ids")
 
 # Bump when the map procedure changes, so old cache entries are never read back.
@@ -214,8 +216,30 @@ class TokenMap:
 
 
 def find_token_map_file(folder: Path) -> Path | None:
-    """The token map a checkpoint folder carries (the first of TOKEN_MAP_FILES present), or None."""
+    """The token map a checkpoint folder carries: the file its config.json names (TOKEN_MAP_CONFIG_KEYS, a file
+    name inside the folder), else the first of TOKEN_MAP_FILES present, else None."""
+    folder = Path(folder)
+    named = _named_in_config(folder)
+    if named is not None:
+        return named
     return next((folder / name for name in TOKEN_MAP_FILES if (folder / name).is_file()), None)
+
+
+def _named_in_config(folder: Path) -> Path | None:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # (config.json's own problems are reported where it is loaded)
+    key = next((k for k in TOKEN_MAP_CONFIG_KEYS if isinstance(config, dict) and isinstance(config.get(k), str)),
+               None)
+    if key is None:
+        return None
+    path = folder / config[key]
+    if Path(config[key]).name != config[key] or not path.is_file():
+        raise ConfigError(f"{folder / 'config.json'}: {key} = {config[key]!r} names no token map file in {folder} "
+                          f"(a file name there: .npy, or .json with a list or one of the keys "
+                          f"{list(TOKEN_MAP_JSON_KEYS)})")
+    return path
 
 
 def _read_npy_map(path: Path) -> np.ndarray:

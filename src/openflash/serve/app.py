@@ -523,6 +523,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     Guards, outermost first: the body limit, the API key (when configured), then the last-resort error handler."""
     server = OpenflashServer(engine, tokenizer, config)
+    registry = prom.metrics_registry(engine, config.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -583,7 +584,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prom.render(engine), media_type=prom.CONTENT_TYPE)
+        return PlainTextResponse(prom.exposition(registry), media_type=prom.CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,19 +44,7 @@ WORK_RESERVE = 2 * GiB  # activations, runtime, allocator slack
 ENGRAM_ROW_CACHE = 64 << 20  # the disk tier's row cache when the tables go to disk (serve's default)
 # Bandwidths when not measured (bytes/s): a server's DRAM, PCIe 4 x16, an NVMe SSD, HBM3.
 DEFAULT_BANDWIDTH = {"host": 50e9, "host_to_accelerator": 25e9, "disk": 3e9, "accelerator": 3e12}
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6, "MIB": 1 << 20, "G": 1e9,
-          "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12, "TIB": 1 << 40}
 PLACEMENT_KEYS = ("weights", "expert_placement", "expert_cache_bytes", "engram_placement", "engram_cache_bytes")
-
-
-def parse_size(text: str, what: str) -> int:
-    """'24GiB', '80GB', '512MiB', '1e9' -> bytes."""
-    m = _SIZE.match(str(text))
-    unit = (m.group(2) or "").upper() if m else ""
-    if not m or unit not in _UNITS:
-        raise OpenflashError(f"{what}: {text!r} is not a size (e.g. 24GiB, 80GB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass
@@ -227,4 +214,4 @@ def read_placement(path: str | Path) -> dict[str, Any]:
     return {k: run[k] for k in PLACEMENT_KEYS}
 
 
-__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "parse_size", "write_placement", "read_placement"]
+__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "write_placement", "read_placement"]
