@@ -14,27 +14,32 @@ been prepared with a tokenizer of its vocabulary.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from openflash import formats
-from openflash.checkpoint import build_model, open_model
-from openflash.config import FlashConfig
+from openflash.checkpoint import build_model, checkpoint_folder, open_model
+from openflash.config import PRESETS, FlashConfig
 from openflash.errors import OpenflashError
-from openflash.files.peft import Adapter
+from openflash.files.manifest import folder_fingerprint, verify_manifest
+from openflash.files.peft import BASE_FILE, Adapter, read_adapter
 from openflash.memory.frontend import EngramFrontend
+from openflash.model.adapters import add_lora
 from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.layers import Linear
-from openflash.model.adapters import add_lora
-from openflash.placement import Placement
 from openflash.model.lora import DEFAULT_TARGETS, LoRA
 from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
+from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.tokenizer import tokenizer_sha256
+from openflash.train.config import TrainConfig
 from openflash.train.dataset import TokenDataset
+
+log = logging.getLogger("openflash.train")
 
 
 def fp32_state(model: Transformer) -> dict[str, torch.Tensor]:
@@ -127,4 +132,35 @@ def _check_tokenizer(runtime: Runtime, init: str | Path, data: TokenDataset) -> 
                              f"({runtime.tokenizer_source})")
 
 
-__all__ = ["fp32_state", "init_model", "lora_model", "load_adapter_weights"]
+def fine_tune_base(cfg: TrainConfig, resume_from: Path | None) -> dict[str, str] | None:
+    """The checkpoint a fine-tuning run trains on, as {"path", "fingerprint"} (None for a preset). A resumed LoRA run
+    keeps the base it started on (its checkpoint's base_model.json), although --init (a run folder) may resolve to
+    a newer checkpoint now; the recorded one is refused if its files changed. cfg.verify_init: checked against its
+    checksums first."""
+    recorded = None
+    if resume_from is not None and cfg.lora is not None and (resume_from / BASE_FILE).is_file():
+        recorded = read_adapter(resume_from).base
+    if recorded is None and cfg.init in PRESETS:
+        return None
+    folder = Path(recorded["path"]) if recorded is not None else checkpoint_folder(cfg.init)
+    if recorded is not None:
+        if not folder.is_dir():
+            raise OpenflashError(f"--resume: the base this run started on, {folder} "
+                                 f"({resume_from / BASE_FILE}), is gone")
+        now = checkpoint_folder(cfg.init) if cfg.init not in PRESETS else None
+        if now is not None and now.resolve() != folder.resolve():
+            log.warning("--resume: continuing on the base this run started on, %s (--init %s now means %s)",
+                        folder, cfg.init, now)
+    if cfg.verify_init:
+        try:
+            verify_manifest(folder)
+        except OpenflashError as exc:
+            raise OpenflashError(f"--verify: {exc}") from None
+    fingerprint = folder_fingerprint(folder)
+    if recorded is not None and recorded["fingerprint"] != fingerprint:
+        raise OpenflashError(f"--resume: the base this run started on, {folder}, has changed since (its "
+                             f"fingerprint differs from {resume_from / BASE_FILE}'s)")
+    return {"path": str(folder.resolve()), "fingerprint": fingerprint}
+
+
+__all__ = ["fp32_state", "init_model", "lora_model", "load_adapter_weights", "fine_tune_base"]

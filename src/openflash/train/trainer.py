@@ -40,14 +40,14 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from openflash.checkpoint import build_model, checkpoint_folder, save_checkpoint
-from openflash.config import PRESETS, FlashConfig, load_config
+from openflash.checkpoint import build_model, save_checkpoint
+from openflash.config import load_config
 from openflash.errors import OpenflashError
-from openflash.files.manifest import folder_fingerprint, verify_manifest, write_manifest
-from openflash.files.peft import BASE_FILE, read_adapter, read_engram_rows, write_adapter, write_engram_rows
+from openflash.files.manifest import verify_manifest, write_manifest
+from openflash.files.peft import read_adapter, read_engram_rows, write_adapter, write_engram_rows
 from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import TokenMap, build_compressed_token_map, find_token_map_file
+from openflash.memory.tokenmap import TokenMap, find_token_map_file
 from openflash.model.compiled import check_toolchain
 from openflash.model.engram_table import DeviceTable
 from openflash.model.lora import adapter_weights, lora_alpha
@@ -55,9 +55,10 @@ from openflash.model.numerics import TRAIN
 from openflash.placement import resolve_device
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
+from openflash.train.config import RESUME_FIXED, TrainConfig, training_model_config
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads, collective_device
-from openflash.train.finetune import init_model, load_adapter_weights, lora_model
+from openflash.train.finetune import fine_tune_base, init_model, load_adapter_weights, lora_model
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
@@ -68,96 +69,7 @@ from openflash.train.threads import ThreadTuner
 # far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
 PLAN_AT_STEPS = (4, 12, 30, 60, 100)
 
-# Arguments a resumed run must share with the run it continues (the rest may change, e.g. --steps).
-RESUME_FIXED = ("config", "batch_size", "seq_len", "seed", "optimizer", "indexer_warmup", "init", "lora", "lora_alpha",
-                "lora_targets", "train_engram")
-
 log = logging.getLogger("openflash.train")
-
-
-@dataclass
-class TrainConfig:
-    data: str  # folder written by `openflash data prepare`
-    out: str  # run folder
-    config: str | None = None  # preset name or config.json of a new model (default small); with init: none
-    steps: int = 1000
-    batch_size: int = 8  # global, split across ranks
-    seq_len: int = 256
-    lr: float = 3e-3
-    warmup: int = 50
-    min_lr_ratio: float = 0.1
-    indexer_warmup: int = 0
-    indexer_loss_weight: float = 0.01
-    optimizer: str = "adamw"
-    weight_decay: float = 0.1
-    engram_lr_mult: float = 5.0
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1e-3
-    eval_every: int = 100  # 0: only before and after training
-    eval_batches: int = 8
-    save_every: int = 200  # 0: only at the end
-    keep_checkpoints: int = 1
-    max_minutes: float | None = None
-    steps_from_budget: bool = False  # time-budgeted: after a few timed steps, steps = what fits in max_minutes
-    adaptive_threads: bool = False  # re-pick the torch thread count from step times (shared machines; see ThreadTuner)
-    resume: bool = False
-    verify: bool = True  # a resumed run first checks its checkpoint against the checksums.sha256 it wrote
-    verify_init: bool = False  # check the init checkpoint against its checksums.sha256 before training on it
-    seed: int = 0
-    progress: bool = True
-    compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
-    init: str | None = None  # fine-tune: start from this checkpoint, run folder or preset (train/finetune.py)
-    lora: int | None = None  # LoRA rank: adapters on --init kept frozen as stored; checkpoints hold the adapters
-    lora_alpha: float | None = None  # default 2 * rank
-    lora_targets: list[str] | None = None  # regular expressions over module names (default model/lora.py's)
-    checkpoint_activations: bool = False  # keep each block's inputs only; its forward reruns in the backward
-    train_engram: bool = False  # with lora: the Engram rows batches touch train too (sparse, model/engram_rows.py)
-    device: str = "auto"  # placement.resolve_device: the first CUDA device (under torchrun the rank's) or the CPU
-    autocast: str = "off"  # "bf16": forward and backward under torch.autocast to bf16 (CUDA), master weights fp32
-
-    def __post_init__(self) -> None:
-        if self.init is not None and self.config is not None:
-            raise OpenflashError(f"--config {self.config} with --init {self.init}: a fine-tuning run takes its model's "
-                                 f"config from --init; leave --config out")
-        if self.init is None and self.config is None:
-            self.config = "small"
-        if self.autocast not in ("off", "bf16"):
-            raise OpenflashError(f"--autocast must be off or bf16, got {self.autocast!r}")
-        if self.verify_init and self.init is None:
-            raise OpenflashError("--verify checks the --init checkpoint; this run has none")
-        for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep_checkpoints"):
-            if getattr(self, name) <= 0:
-                raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("warmup", "indexer_warmup", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise OpenflashError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise OpenflashError(f"--lr must be positive, got {self.lr}")
-        if self.indexer_warmup >= self.steps and not self.steps_from_budget:
-            raise OpenflashError(f"--indexer-warmup ({self.indexer_warmup}) must be smaller than --steps "
-                                 f"({self.steps}): the main model would never train")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise OpenflashError(f"--max-minutes must be positive, got {self.max_minutes}")
-        if self.steps_from_budget and self.max_minutes is None:
-            raise OpenflashError("a time-budgeted run needs max_minutes")
-        if self.lora is not None:
-            if self.lora < 1:
-                raise OpenflashError(f"--lora (the adapter rank) must be >= 1, got {self.lora}")
-            if self.init is None:
-                raise OpenflashError("--lora trains adapters on a model: give it with --init MODEL")
-            if self.indexer_warmup:
-                raise OpenflashError("--lora keeps the indexer frozen; --indexer-warmup does not apply")
-            if self.compile:
-                raise OpenflashError("--lora trains through the stored weights eagerly; --compile does not apply")
-        elif self.lora_alpha is not None or self.lora_targets or self.train_engram:
-            raise OpenflashError("--lora-alpha, --lora-targets and --train-engram need --lora RANK (full "
-                                 "fine-tuning trains the Engram tables anyway)")
-        if self.compile and self.checkpoint_activations:
-            raise OpenflashError("--checkpoint-activations reruns the eager blocks; it does not combine with --compile")
-        if self.compile and self.adaptive_threads:
-            # Inductor's CPU kernels fix their thread count when they are built: re-picking it would not reach them.
-            raise OpenflashError("--compile builds its kernels for one thread count; it cannot run with adaptive "
-                                 "threads (set the count with OMP_NUM_THREADS instead)")
 
 
 @dataclass
@@ -168,23 +80,6 @@ class FitResult:
     last_loss: float | None
     val_loss: float | None
     trained_seconds: float
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Run-folder helpers
-
-
-def training_model_config(config: str | Path, tokenizer_path: str | Path) -> FlashConfig:
-    """The model config for training with a given tokenizer: its vocabulary, its compressed Engram token map,
-    no image token, and fp32 ("float") storage for every weight."""
-    cfg = load_config(config)
-    tokenizer = load_tokenizer(tokenizer_path)
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    changes: dict[str, Any] = dict(vocab_size=vocab, image_token_id=None, weight_dtype="fp32", expert_dtype="fp32")
-    if cfg.engram_layer_ids:
-        token_map = build_compressed_token_map(tokenizer, vocab)
-        changes["engram_compressed_vocab_size"] = int(token_map.max()) + 1
-    return cfg.replace(**changes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +129,7 @@ class Trainer:
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
         self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
         frontend, runtime = None, None
-        self.base = self._base() if cfg.init is not None else None  # {"path", "fingerprint"}; None: a preset
+        self.base = fine_tune_base(cfg, self.resume_from) if cfg.init is not None else None  # None: a preset
         init = self.base["path"] if self.base is not None else cfg.init
         if cfg.lora is not None:  # the base is read on every start (the one it began on); checkpoints hold adapters
             runtime = lora_model(init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
@@ -293,36 +188,6 @@ class Trainer:
             self._load(self.resume_from)
         elif not self.sharded:
             self.ctx.broadcast_module_(self.model)
-
-    def _base(self) -> dict[str, str] | None:
-        """The checkpoint this run fine-tunes, as {"path", "fingerprint"} (None for a preset). A resumed LoRA run
-        keeps the base it started on, although --init (a run folder) may resolve to a newer checkpoint now; the
-        recorded one is refused if its files changed. --verify: checked against its checksums first."""
-        cfg = self.cfg
-        recorded = None
-        if self.resume_from is not None and cfg.lora is not None and (self.resume_from / BASE_FILE).is_file():
-            recorded = read_adapter(self.resume_from).base
-        if recorded is None and cfg.init in PRESETS:
-            return None
-        folder = Path(recorded["path"]) if recorded is not None else checkpoint_folder(cfg.init)
-        if recorded is not None:
-            if not folder.is_dir():
-                raise OpenflashError(f"--resume: the base this run started on, {folder} "
-                                     f"({self.resume_from / BASE_FILE}), is gone")
-            now = checkpoint_folder(cfg.init) if cfg.init not in PRESETS else None
-            if now is not None and now.resolve() != folder.resolve():
-                log.warning("--resume: continuing on the base this run started on, %s (--init %s now means %s)",
-                            folder, cfg.init, now)
-        if cfg.verify_init:
-            try:
-                verify_manifest(folder)
-            except OpenflashError as exc:
-                raise OpenflashError(f"--verify: {exc}") from None
-        fingerprint = folder_fingerprint(folder)
-        if recorded is not None and recorded["fingerprint"] != fingerprint:
-            raise OpenflashError(f"--resume: the base this run started on, {folder}, has changed since (its "
-                                 f"fingerprint differs from {self.resume_from / BASE_FILE}'s)")
-        return {"path": str(folder.resolve()), "fingerprint": fingerprint}
 
     # ---- public ---------------------------------------------------------------------------------------------
     def request_stop(self) -> None:
