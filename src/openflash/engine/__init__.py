@@ -8,5 +8,6 @@
     cache.py         block pool for the global compressed KV, packed storage formats, batch regrouping
     prefix_cache.py  prompt-prefix states keyed by token-block hashes, LRU, persistence
     metrics.py       latency histograms and counters
+    config.py        EngineConfig (validated) and the persisted prefix cache's model fingerprint
     engine.py        LLMEngine: add_request / abort / step / background loop
 """

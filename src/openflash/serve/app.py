@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -37,19 +37,20 @@ from tokenizers import Tokenizer
 
 from openflash.chat.conversation import IMAGE_MARK, ChatOptions, Forcing
 from openflash.engine.engine import LLMEngine
-from openflash.engine.request import (ERROR, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
-                                      QueueFullError, RequestOutput)
+from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError, QueueFullError,
+                                      RequestOutput)
 from openflash.engine.sampling import SamplingParams
-from openflash.errors import OpenflashError, RequestError
+from openflash.errors import RequestError
 from openflash.serve import metrics as prom
-from openflash.serve.chat import ChatFormat, ChatReply, CompletionParser, chat_options, conversation
+from openflash.serve.chat import ChatFormat, ChatReply, chat_options, conversation
 from openflash.serve.errors import APIError, engine_failure, field_error, http_error, validation_error
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip
 from openflash.serve.images import ImagePolicy, image_bytes
+from openflash.serve.jobs import Choice, Job
 from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
                                       DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                      PromptTokensDetails, TokenizeRequest, TokenizeResponse, Usage)
+                                      TokenizeRequest, TokenizeResponse)
 from openflash.tokenizer import max_chars_per_token
 from openflash.vision.preprocess import PreparedImage, prepare_image
 from openflash.vision.prompt import PromptImage, assemble
@@ -80,132 +81,6 @@ class ChatPrompt:
     forced: str = ""
     deferred: Forcing | None = None
     images: list[PromptImage] = field(default_factory=list)
-
-
-@dataclass
-class _Choice:
-    index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    ignore_eos: bool
-    prefix: str = ""  # echoed prompt text (completions)
-    echo_pending: bool = False  # streaming: the prefix still has to go out
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    unavailable: bool = False  # the error is a storage tier's (503)
-    done: bool = False
-    # chat: the parsed reply, and what the latest output added to it (a stream delta)
-    parser: CompletionParser | None = None
-    reply: ChatReply | None = None
-    delta: DeltaMessage | None = None
-    continuation: Forcing | None = None  # forced text to write once the model emits continuation.after_token
-    images: list[PromptImage] = field(default_factory=list)  # the prompt's image spans
-    token_ids: list[int] = field(default_factory=list)  # every completion token so far, forced ones included
-    earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-
-class _Job:
-    """The engine requests of one HTTP request, and the queue their outputs arrive on."""
-
-    def __init__(self, engine: LLMEngine, adapter: str | None = None) -> None:
-        self.engine, self.adapter = engine, adapter  # adapter: the served LoRA adapter the request named
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        self.choices: list[_Choice] = []
-
-    def _deliverer(self, index: int) -> Any:
-        def deliver(out: RequestOutput) -> None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
-        return deliver
-
-    def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "",
-               parser: CompletionParser | None = None, reply: ChatReply | None = None,
-               continuation: Forcing | None = None, images: list[PromptImage] | None = None) -> None:
-        index = len(self.choices)
-        first = params
-        if continuation is not None:  # stop at its token, then force the text (_continue)
-            first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
-        seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos,
-                                      images=images or (), adapter=self.adapter)
-        self.choices.append(_Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
-                                    text=prefix, parser=parser, reply=reply, continuation=continuation,
-                                    images=list(images or ())))
-
-    def apply(self, index: int, out: RequestOutput) -> _Choice:
-        c = self.choices[index]
-        c.text += out.text
-        c.token_ids += out.token_ids
-        c.completion_tokens = c.earlier_tokens + out.completion_tokens
-        if not c.earlier_tokens:
-            c.cached_tokens = out.cached_tokens
-        pieces = c.parser.feed(out.text) if c.parser is not None else []
-        if out.finished:
-            forced = self._continue(c, out) if c.continuation is not None else None
-            if forced is not None:
-                pieces += c.parser.feed(forced) if c.parser is not None else []
-            else:
-                c.done, c.finish_reason, c.error, c.unavailable = True, out.finish_reason, out.error, out.unavailable
-                pieces += c.parser.finish() if c.parser is not None else []
-        if c.reply is not None:
-            c.delta = c.reply.add(pieces)
-            if c.done:
-                c.finish_reason = c.reply.finish_reason(c.finish_reason)
-        return c
-
-    def _continue(self, c: _Choice, out: RequestOutput) -> str | None:
-        """The model closed its reasoning where the server forces a tool call: submit the rest (prompt, reasoning,
-        forced text) as the choice's next engine request. Returns the completion text that adds, or None when the
-        choice ends here (another stop, no room left, or the engine refused)."""
-        forcing, c.continuation = c.continuation, None
-        if out.finish_reason != STOP or not c.token_ids or c.token_ids[-1] != forcing.after_token:
-            return None
-        tokenizer = self.engine.tokenizer
-        forced_ids = tokenizer.encode(forcing.text, add_special_tokens=False).ids
-        used = c.earlier_tokens + out.completion_tokens + len(forced_ids)
-        if c.params.max_tokens - used < 1:
-            return None
-        try:
-            seq = self.engine.add_request(c.prompt_ids + c.token_ids + forced_ids,
-                                          replace(c.params, max_tokens=c.params.max_tokens - used),
-                                          on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos,
-                                          images=c.images, adapter=self.adapter)
-        except OpenflashError as exc:
-            log.warning("forcing the tool call of choice %d failed: %s", c.index, exc)
-            return None
-        c.request_id, c.earlier_tokens = seq.request_id, used
-        c.token_ids += forced_ids
-        c.completion_tokens = used
-        return tokenizer.decode([forcing.after_token], skip_special_tokens=False) + forcing.text
-
-    @property
-    def pending(self) -> int:
-        return sum(not c.done for c in self.choices)
-
-    def abort_unfinished(self) -> None:
-        for c in self.choices:
-            if not c.done:
-                self.engine.abort(c.request_id)
-
-    def usage(self, n: int) -> Usage:
-        prompt = sum(c.prompt_tokens for c in self.choices[::n])  # each prompt once, whatever n
-        completion = sum(c.completion_tokens for c in self.choices)
-        cached = sum(c.cached_tokens for c in self.choices[::n])
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-    def failure(self) -> APIError | None:
-        for c in self.choices:
-            if c.finish_reason == ERROR:
-                return engine_failure(c.error, c.unavailable)
-        return None
 
 
 def _sse(payload: str) -> str:
@@ -268,7 +143,7 @@ class OpenflashServer:
             raise APIError(400, f"prompt token id {clip(bad)} is outside the model's vocabulary (0..{vocab - 1})",
                            param=param, code="invalid_token")
 
-    def submit(self, job: _Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
+    def submit(self, job: Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
                **chat: Any) -> None:
         try:
             job.submit(ids, params, body.ignore_eos, prefix, **chat)
@@ -361,7 +236,7 @@ class OpenflashServer:
         return await asyncio.to_thread(fn, *args)
 
     # ---- waiting for results ------------------------------------------------------------------------------------
-    async def collect(self, job: _Job, request: Request) -> None:
+    async def collect(self, job: Job, request: Request) -> None:
         """Wait until every choice finished; cancel them if the client goes away."""
         poll = self.config.disconnect_poll
         next_check = time.monotonic() + poll
@@ -382,7 +257,7 @@ class OpenflashServer:
             if job.pending:
                 job.abort_unfinished()
 
-    async def events(self, job: _Job, chunk_of, usage_chunk) -> AsyncIterator[str]:
+    async def events(self, job: Job, chunk_of, usage_chunk) -> AsyncIterator[str]:
         """SSE stream: one chunk per output with new text or a finish, then usage (if asked), then [DONE]."""
         try:
             while job.pending:
@@ -408,7 +283,7 @@ class OpenflashServer:
         prompts = await self.off_loop(self.completion_prompts, body)
         for ids in prompts:
             self.check_ids(ids, "prompt")
-        job, rid = _Job(self.engine, adapter), f"cmpl-{uuid.uuid4().hex}"
+        job, rid = Job(self.engine, adapter), f"cmpl-{uuid.uuid4().hex}"
         try:
             for ids in prompts:
                 prefix = self.tokenizer.decode(ids) if body.echo else ""
@@ -420,7 +295,7 @@ class OpenflashServer:
             raise
         created, name = int(time.time()), adapter or self.config.model_name
 
-        def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
+        def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if not (out.text or out.finished):
                 return None
             text = out.text
@@ -447,7 +322,7 @@ class OpenflashServer:
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
             max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
-        job, rid = _Job(self.engine, adapter), f"chatcmpl-{uuid.uuid4().hex}"
+        job, rid = Job(self.engine, adapter), f"chatcmpl-{uuid.uuid4().hex}"
         fmt = self.config.chat_format
         try:
             for _ in range(body.n):
@@ -462,7 +337,7 @@ class OpenflashServer:
         created, name = int(time.time()), adapter or self.config.model_name
         started: set[int] = set()
 
-        def chunk_of(choice: _Choice, out: RequestOutput) -> str | None:
+        def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if choice.delta is None and not choice.done:
                 return None
             delta = choice.delta or DeltaMessage()
@@ -482,7 +357,7 @@ class OpenflashServer:
                                                   usage=job.usage(body.n)).model_dump_json()
         return await self.reply(job, body, request, chunk_of, usage_chunk, full)
 
-    async def reply(self, job: "_Job", body: Any, request: Request, chunk_of: Any, usage_chunk: Any,
+    async def reply(self, job: Job, body: Any, request: Request, chunk_of: Any, usage_chunk: Any,
                     full: Any) -> Any:
         """Stream the job as server-sent events, or wait for it and return the full response."""
         if body.stream:

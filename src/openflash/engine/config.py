@@ -1,0 +1,81 @@
+"""The engine's settings (`EngineConfig`, validated with each field named) and what a persisted prefix cache
+depends on (`model_fingerprint`: config, weights, numerics, cache settings)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from openflash.engine.cache import KV_STORAGES
+from openflash.engine.prefix_cache import RESTORE_MODES
+from openflash.engine.runner import PREFILL_MODES
+from openflash.engine.scheduler import SchedulerConfig
+from openflash.errors import OpenflashError
+from openflash.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 32  # sequences admitted at once (prefilling + decoding)
+    max_context: int = 4096  # prompt + completion tokens per sequence
+    max_step_tokens: int = 512  # prompt + decode tokens per engine step
+    prefill_chunk: int = 128  # prompt chunk length (chunks end at multiples of it)
+    prefill_batch: int = 16  # prompt chunks packed into one model call (1: one at a time)
+    prefill_padding: float = 0.25  # most of a packed call that may be padding (0: only chunks of equal length)
+    max_waiting: int = 256  # queued requests before add_request refuses (QueueFullError)
+    prefill_mode: str = "bounded"  # CED bounded replay (architecture.md §7.3) or "exact"
+    kv_storage: str = "fp32"  # "fp32" or "packed" (FP4 main KV, MXFP4 index keys, FP8 window rings)
+    kv_block_size: int = 16  # compressed entries per pool block
+    max_kv_blocks: int | None = None  # pool size limit (None: grows as needed)
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = 256 << 20
+    prefix_restore: str = "snapshot"  # "snapshot" (exact) or "replay" (global KV only; windows replayed)
+    prefix_block_tokens: int | None = None  # default: prefill_chunk (snapshot) or 16 x max ratio (replay)
+    prefix_cache_dir: str | None = None  # persist entries here (loaded at start, saved at shutdown)
+    engram_speculate: int = 0  # with an Engram memory tier: prefetch rows of the k likeliest next tokens
+    speculative: str | None = None  # "dspark": speculative decoding with the model's DSpark drafter
+    num_speculative_tokens: int | None = None  # drafts verified per round (default: the drafter's block size)
+
+    def validate(self) -> "EngineConfig":
+        if self.prefill_mode not in PREFILL_MODES:
+            raise OpenflashError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {self.prefill_mode!r}")
+        if self.kv_storage not in KV_STORAGES:
+            raise OpenflashError(f"kv_storage must be one of {list(KV_STORAGES)}, got {self.kv_storage!r}")
+        if self.speculative not in (None, "dspark"):
+            raise OpenflashError(f"speculative must be 'dspark' or None, got {self.speculative!r}")
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            raise OpenflashError("num_speculative_tokens needs speculative='dspark'")
+        if self.prefix_restore not in RESTORE_MODES:
+            raise OpenflashError(f"prefix_restore must be one of {list(RESTORE_MODES)}, got {self.prefix_restore!r}")
+        if self.prefill_batch < 1:
+            raise OpenflashError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
+        if not 0 <= self.prefill_padding < 1:
+            raise OpenflashError(f"prefill_padding must be in [0, 1), got {self.prefill_padding}")
+        if self.max_context < 2:
+            raise OpenflashError(f"max_context must be >= 2, got {self.max_context}")
+        block = self.prefix_block_tokens
+        if block is not None and self.prefix_restore == "snapshot" and self.prefill_chunk % block:
+            raise OpenflashError(f"prefix_block_tokens {block} must divide prefill_chunk {self.prefill_chunk} in "
+                                 f"snapshot mode (snapshots are taken where prefill chunks end)")
+        return self
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting)
+
+
+def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
+    """Identifies what a persisted prefix cache depends on: config, weights, numerics and cache settings."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(model.cfg.to_hf_dict(), sort_keys=True, default=str).encode())
+    digest.update(json.dumps([model.numerics.name, config.prefill_mode, config.kv_storage, config.prefix_restore,
+                              config.prefix_block_tokens, config.prefill_chunk]).encode())
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+__all__ = ["EngineConfig", "model_fingerprint"]
