@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
@@ -158,3 +159,43 @@ def test_parity_on_cuda(numerics):
     for golden in ("tests/goldens/A", "tests/goldens/A2", "tests/goldens/B2", "tests/goldens/D"):
         failed = [c.key for c in run_golden(golden, numerics, device="cuda") if not c.passed]
         assert not failed, (golden, failed[:5])
+
+
+class _HostCopies(TorchDispatchMode):
+    """Counts operations that mix CPU tensors into work on the meta device (a stand-in for a GPU): on CUDA each is
+    a host-to-device copy, which a CUDA graph cannot record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {a.device.type for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)}
+        target = kwargs.get("device")
+        if "cpu" in devices and ("meta" in devices or (target is not None and torch.device(target).type == "meta")):
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_a_decode_step_copies_nothing_from_the_host_once_warm():
+    """The whole-step decode graph's body on the meta device: after a first step (which copies the constant tables
+    each device keeps, as a prefill does), a step reads no CPU tensor, so on a GPU it can be recorded as a CUDA
+    graph. RoPE frequencies and the E2M1 tables were copied on every call before (the H200 run's failure)."""
+    from openflash.checkpoint import build_model
+    from openflash.config import load_config
+    from openflash.model.decode_graph import FetchedRows
+    from openflash.model.numerics import NUMERICS
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, NUMERICS["fp32"], device="meta")
+    cache = model.new_cache(1, capacity=64)
+    ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
+    rows = FetchedRows({t.engram_slot: torch.zeros(1, 1, cfg.n_hash_columns, cfg.engram_head_dim, device="meta")
+                        for t in cfg.topology.layers if t.engram_before})
+    with torch.no_grad():
+        model.static_decode(ids, cache, rows)
+        watch = _HostCopies()
+        with watch:
+            model.static_decode(ids, cache, rows)
+    assert watch.seen == []
