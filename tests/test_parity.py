@@ -38,7 +38,7 @@ def test_fp32_path_within_logit_tolerance(golden):
 
 
 def test_cli_reports_pass_and_json():
-    out = subprocess.run([sys.executable, "-m", "openflash.cli", "parity", str(GOLDENS[0]), "--json"],
+    out = subprocess.run([sys.executable, "-m", "openflash.cli", "parity", str(GOLDENS[0]), "--json", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[: out.stdout.rindex("}") + 1])

@@ -360,7 +360,7 @@ def test_cli_train(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture)
         return ["train", "--config", "tiny", "--data", str(dataset), "--out", str(out), "--steps", str(steps),
                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "1", "--save-every", "1", *extra]
 
-    assert cli_main(argv(2)) == 0
+    assert cli_main(argv(2, "--device", "cpu")) == 0
     assert latest_checkpoint(out).name == "step_00000002"
     assert cli_main(argv(4, "--resume")) == 0
     assert latest_checkpoint(out).name == "step_00000004"
