@@ -106,7 +106,10 @@ class Trainer:
 
         self.resume_from = self.run.resume_point(cfg.resume)
         if self.resume_from is not None:
-            self.run.check_resume_args(asdict(cfg), RESUME_FIXED)
+            # (a fine-tuning run's model config is its --init's, which is fixed itself; runs written before --config
+            # was refused with --init recorded the unused default there)
+            fixed = RESUME_FIXED if cfg.init is None else tuple(k for k in RESUME_FIXED if k != "config")
+            self.run.check_resume_args(asdict(cfg), fixed)
             if cfg.verify:  # this run wrote the manifest itself: a damaged checkpoint must not train on, blessed anew
                 try:
                     verify_manifest(self.resume_from)
