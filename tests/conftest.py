@@ -1,4 +1,8 @@
-"""Fixtures shared by the engine and server tests, and the intra-op thread count of parallel test workers."""
+"""Fixtures shared by the engine and server tests, the intra-op thread count of parallel test workers, and the
+test tiers: the modules in SLOW compile with inductor, train, run a released-width layer or spawn processes;
+`pytest -n 2 -m "not slow"` runs the rest (the model, engine, server and file-format basics) in about 1.5 minutes,
+and
+`make test` runs everything."""
 
 from __future__ import annotations
 
@@ -10,6 +14,18 @@ import pytest
 import torch
 
 from openflash.checkpoint import open_model
+
+
+SLOW = {"test_compiled", "test_experiments", "test_decode_graph", "test_placement_plan", "test_synth",
+        "test_expert_offload", "test_engram_placement", "test_server_chat", "test_speculative", "test_dspark_train",
+        "test_vision_train", "test_train_distributed", "test_lora_run", "test_lora_hostile", "test_trainer",
+        "test_demo", "test_parity", "test_checkpoint_compat", "test_weight_residency", "test_chats"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config) -> None:
