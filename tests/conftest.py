@@ -1,8 +1,7 @@
 """Fixtures shared by the engine and server tests, the intra-op thread count of parallel test workers, and the
 test tiers: the modules in SLOW compile with inductor, train, run a released-width layer or spawn processes;
-`pytest -n 2 -m "not slow"` runs the rest (the model, engine, server and file-format basics) in about 1.5 minutes,
-and
-`make test` runs everything."""
+`pytest -n 2 -m "not slow"` runs the rest (the model, engine, server and file-format basics) in about 1.5
+minutes, and `make test` runs everything."""
 
 from __future__ import annotations
 
