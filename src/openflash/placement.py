@@ -11,8 +11,10 @@ here, which the host tier would round to FP8).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openflash.errors import OpenflashError
@@ -111,8 +113,6 @@ class Placement:
                  if hasattr(args, _FLAGS.get(f.name, f.name))}
         plan = getattr(args, "placement", None)
         if plan is not None:
-            from openflash.tools.placement_plan import read_placement
-
             clash = [k for k in _FROM_PLAN if k in given and given[k] != getattr(cls, k)]
             if clash:
                 flags = ", ".join("--" + _FLAGS.get(k, k).replace("_", "-") for k in clash)
@@ -125,6 +125,21 @@ class Placement:
 # Placement field -> the command-line flag's dest where they differ; and what a plan.json sets.
 _FLAGS = {"experts": "expert_placement", "engram": "engram_placement"}
 _FROM_PLAN = ("weights", "experts", "expert_cache_bytes", "engram", "engram_cache_bytes")
+PLACEMENT_KEYS = tuple(_FLAGS.get(k, k) for k in _FROM_PLAN)  # a plan.json's "run" keys (tools/placement_plan.py)
 
 
-__all__ = ["Placement", "resolve_device", "local_rank", "DEVICE_HELP", "ENGRAM_TIERS", "EXPERT_TIERS"]
+def read_placement(path: str | Path) -> dict[str, Any]:
+    """The run settings of a plan.json (`--placement`, written by `openflash plan --out`); OpenflashError naming
+    the file and the missing keys."""
+    path = Path(path)
+    try:
+        run = json.loads(path.read_text())["run"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OpenflashError(f"{path}: not a placement written by `openflash plan --out` ({exc})") from None
+    missing = [k for k in PLACEMENT_KEYS if k not in run]
+    if missing:
+        raise OpenflashError(f"{path}: placement lacks {missing}")
+    return {k: run[k] for k in PLACEMENT_KEYS}
+
+
+__all__ = ["Placement", "read_placement", "PLACEMENT_KEYS", "resolve_device", "local_rank", "DEVICE_HELP", "ENGRAM_TIERS", "EXPERT_TIERS"]

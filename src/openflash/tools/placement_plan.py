@@ -44,9 +44,6 @@ WORK_RESERVE = 2 * GiB  # activations, runtime, allocator slack
 ENGRAM_ROW_CACHE = 64 << 20  # the disk tier's row cache when the tables go to disk (serve's default)
 # Bandwidths when not measured (bytes/s): a server's DRAM, PCIe 4 x16, an NVMe SSD, HBM3.
 DEFAULT_BANDWIDTH = {"host": 50e9, "host_to_accelerator": 25e9, "disk": 3e9, "accelerator": 3e12}
-PLACEMENT_KEYS = ("weights", "expert_placement", "expert_cache_bytes", "engram_placement", "engram_cache_bytes")
-
-
 @dataclass
 class PlacementPlan:
     memory: int
@@ -201,17 +198,4 @@ def write_placement(placement: PlacementPlan, path: str | Path) -> Path:
     return path
 
 
-def read_placement(path: str | Path) -> dict[str, Any]:
-    """The run settings of a plan.json (`--placement`); OpenflashError naming the file and key."""
-    path = Path(path)
-    try:
-        run = json.loads(path.read_text())["run"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OpenflashError(f"{path}: not a placement written by `openflash plan --out` ({exc})") from None
-    missing = [k for k in PLACEMENT_KEYS if k not in run]
-    if missing:
-        raise OpenflashError(f"{path}: placement lacks {missing}")
-    return {k: run[k] for k in PLACEMENT_KEYS}
-
-
-__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "write_placement", "read_placement"]
+__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "write_placement"]
