@@ -159,7 +159,9 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32",
     if placement.expert_direct_io and placement.experts == "device":
         raise CheckpointError("--expert-direct-io reads routed experts from the shards: it needs --expert-placement "
                               "host or disk")
-    if spec in PRESETS:
+    folder = None if spec in PRESETS else checkpoint_folder(spec)
+    tier = placement.engram_tier(load_config(spec if folder is None else folder).weight_dtype == "fp8")
+    if folder is None:
         if placement.experts != "device":
             raise CheckpointError(f"--expert-placement {placement.experts} reads experts from a checkpoint's shards; "
                                   f"preset {spec!r} has none (write one with `openflash checkpoint synth {spec} DIR`)")
@@ -171,8 +173,6 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32",
                              tokenizer_source=f"--tokenizer {tokenizer}" if tokenizer else
                              f"preset {spec!r}'s cut of the DeepSeek tokenizer")
     else:
-        folder = checkpoint_folder(spec)
-        tier = placement.engram_tier(load_config(folder).weight_dtype == "fp8")
         offload = placement.experts != "device"
         model, report = load_checkpoint(folder, device=device, numerics=policy, tokenizer_path=tokenizer,
                                         verify=verify, weights=placement.weights, skip_experts=offload,
@@ -185,7 +185,6 @@ def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32",
                                    (f" (cache {cache} bytes)" if cache else "") if offload else "")
         runtime = Runtime.of(model, report.tokenizer, frontend=report.engram_frontend, experts=store, note=note,
                              tokenizer_source=report.tokenizer_source, folder=folder)
-    tier = placement.engram_tier(runtime.cfg.weight_dtype == "fp8")
     runtime.place_engram(tier, table_dir=placement.engram_table_dir,
                          cache_bytes=placement.engram_cache_bytes or DISK_ROW_CACHE_BYTES,
                          io_threads=placement.engram_io_threads, verify=verify)

@@ -146,7 +146,7 @@ class Runtime:
         if self.adapters is not None:
             raise OpenflashError("this runtime serves adapters already; load them all in one call")
         loaded, keys = {}, []
-        base_fingerprint = folder_fingerprint(self.folder) if self.folder is not None else None
+        base_fingerprint: str | None = None  # computed once, for the first adapter that records its base
         for name, path in named.items():
             try:
                 folder = adapter_folder(path)
@@ -156,6 +156,8 @@ class Runtime:
                     raise OpenflashError(f"{folder} also trained Engram rows ({ENGRAM_ROWS_FILE}), which adapters "
                                          f"served per request do not carry; serve `openflash lora merge` of it")
                 adapter = read_adapter(folder)
+                if adapter.base is not None and base_fingerprint is None and self.folder is not None:
+                    base_fingerprint = folder_fingerprint(self.folder)
                 check_base(adapter, folder, self.folder, base_fingerprint)
             except OpenflashError as exc:
                 raise OpenflashError(f"--lora {name}: {exc}") from None
