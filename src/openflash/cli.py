@@ -283,6 +283,58 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--freeze-vision", action="store_true", help="with --vision-data: keep the ViT and aligner")
     train.add_argument("--anchors", type=int, default=32, help="with --dspark: draft blocks per sequence per step")
 
+    rl = _add(sub, "rl", "openflash.commands.rl:rl",
+              "reinforcement learning with verifiable rewards: GRPO on a LoRA adapter, the engine sampling")
+    rl.add_argument("--init", required=True, help="the base: preset, checkpoint or run folder (kept frozen as stored)")
+    rl.add_argument("--tasks", required=True, metavar="TASKS.jsonl",
+                    help="one JSON object a line: \"prompt\" (text) or \"messages\" (chat, with \"tools\"), and "
+                         "what the reward reads (\"answer\", \"tests\", any field of your own)")
+    rl.add_argument("--reward", default="exact", metavar="exact|tests|MODULE:FUNCTION",
+                    help="exact: the answer equals the task's \"answer\"; tests: the completion's code passes the "
+                         "task's \"tests\" in a sandbox; MODULE:FUNCTION (or FILE.py:FUNCTION): f(task, completion) "
+                         "-> float")
+    rl.add_argument("--out", required=True, help="run folder (checkpoints with the adapter, metrics.jsonl)")
+    rl.add_argument("--lora", type=int, default=8, metavar="RANK", help="the adapter's rank")
+    rl.add_argument("--lora-alpha", type=float, default=None, help="the adapter's alpha (default 2 x rank)")
+    rl.add_argument("--lora-targets", nargs="+", default=None, metavar="REGEX",
+                    help="module names to adapt (default: the attention projections and the experts)")
+    rl.add_argument("--steps", type=int, default=100, help="RL steps (rollouts, then updates)")
+    rl.add_argument("--prompts-per-step", type=int, default=8, help="tasks per step")
+    rl.add_argument("--group-size", type=int, default=8, metavar="G", help="completions sampled per task")
+    rl.add_argument("--max-tokens", type=int, default=64, help="a completion's token budget")
+    rl.add_argument("--stop", nargs="+", default=None, metavar="TEXT", help="stop strings ending a completion")
+    rl.add_argument("--temperature", type=float, default=1.0, help="the rollouts' sampling temperature")
+    rl.add_argument("--lr", type=float, default=1e-4, help="the adapter's learning rate")
+    rl.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
+    rl.add_argument("--updates-per-step", type=int, default=1,
+                    help="optimizer steps per batch of rollouts (mini-batches; the policy ratio is clipped)")
+    rl.add_argument("--micro-batch", type=int, default=8, help="sequences per training forward")
+    rl.add_argument("--clip-low", type=float, default=0.2, help="the ratio's floor is 1 - this")
+    rl.add_argument("--clip-high", type=float, default=0.2, help="the ratio's ceiling is 1 + this (DAPO: 0.28)")
+    rl.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the base (0: none)")
+    rl.add_argument("--no-scale-advantages", dest="scale_advantages", action="store_false",
+                    help="advantages are rewards minus the group mean, not divided by its std (Dr. GRPO)")
+    rl.add_argument("--drop-equal-groups", action="store_true",
+                    help="skip groups whose rewards are all equal (DAPO's dynamic sampling, without refilling)")
+    rl.add_argument("--overlong-buffer", type=int, default=0, metavar="N",
+                    help="DAPO's soft overlong penalty over the last N tokens of --max-tokens (0: off)")
+    rl.add_argument("--aggregation", default="token", choices=["token", "sequence"],
+                    help="the loss averaged over all completion tokens (DAPO) or per sequence first (GRPO)")
+    rl.add_argument("--answer-pattern", default=None, metavar="REGEX",
+                    help="with --reward exact: the answer is this pattern's last match (its group 1 if it has one)")
+    rl.add_argument("--reward-timeout", type=float, default=5.0, help="with --reward tests: seconds per run")
+    rl.add_argument("--reward-memory", type=size_bytes, default=512 << 20, metavar="SIZE",
+                    help=f"with --reward tests: address space per run; {SIZE_HELP}")
+    rl.add_argument("--eval-tasks", default=None, metavar="TASKS.jsonl",
+                    help="held-out tasks: the solved share (greedy) before, every --eval-every steps and after")
+    rl.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: start and end)")
+    rl.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps (0: at the end)")
+    rl.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    rl.add_argument("--verify", dest="verify_init", action="store_true",
+                    help="check the base checkpoint against its checksums.sha256 first")
+    rl.add_argument("--seed", type=int, default=0, help="seed of the task order and of every sample")
+    _device_flag(rl)
+
     demo = _add(sub, "demo", "openflash.commands.train:demo",
                 "prepare a corpus, train a small model, then generate from it (the README's main job)")
     demo.add_argument("--preset", default="small", choices=["tiny", "small"], help="model preset")

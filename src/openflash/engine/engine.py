@@ -40,7 +40,8 @@ from openflash.engine.prefix_cache import PrefixCache
 from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
                                       validate_prompt)
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
-from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample
+from openflash.engine.sampling import (NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample,
+                                      token_logprobs)
 from openflash.engine.scheduler import PrefillChunk, Scheduler
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.model.lora import BASE
@@ -171,6 +172,9 @@ class LLMEngine:
         images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them), at positions
         holding the image token id. adapter: the served LoRA adapter to run with (None: the base model)."""
         params.validate(self.config.max_context - 1)
+        if params.logprobs and self.runner.drafts:
+            raise RequestError("logprobs are not kept under speculative decoding (its accepted tokens are drawn by "
+                               "rejection sampling, not from one distribution each)", param="logprobs")
         slot = self.runtime.adapter_slot(adapter)
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
         validate_prompt(ids, params, self.cfg.vocab_size, self.config.max_context)
@@ -311,8 +315,14 @@ class LLMEngine:
         return [out for _, out in outputs]
 
     def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each sequence from its logits row (each with its own sampler)."""
-        return sample(logits, [s.sampler for s in seqs]).tolist()
+        """The next token of each sequence from its logits row (each with its own sampler); a sequence that asked
+        for log-probs gets the token's (sampling.token_logprobs), which _append then keeps."""
+        tokens = sample(logits, [s.sampler for s in seqs])
+        if any(s.params.logprobs for s in seqs):
+            temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+            for seq, lp in zip(seqs, token_logprobs(logits, tokens, temps).tolist()):
+                seq.pending_logprob = lp
+        return tokens.tolist()
 
     def _admit(self, seq: Sequence) -> bool:
         """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt."""
@@ -352,6 +362,8 @@ class LLMEngine:
         if token == NO_TOKEN:  # its logits were not finite: this request fails, the others in its batch go on
             return self._fail([seq], NonFiniteLogits(), "sampling")[0][1]
         now = time.perf_counter()
+        if seq.params.logprobs:
+            seq.output_logprobs.append(seq.pending_logprob)
         out = seq.append_token(token, self.tokenizer.decode, now)
         self.metrics.record_token(seq, now)
         if seq.finished:

@@ -78,6 +78,8 @@ class Sequence:
     on_output: Callable[[RequestOutput], None] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # with params.logprobs: log p of each output id
+    pending_logprob: float = 0.0  # the log p of the token being sampled (engine.next_tokens to _append)
     num_prefilled: int = 0  # prompt tokens whose state is in the cache
     num_cached: int = 0  # of those, tokens restored from the prefix cache
     cache: ModelCache | None = None  # own cache while prefilling (then owned by the runner's batch)

@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # keep each sampled token's log-probability (`token_logprobs`) on its Sequence
 
     def validate(self, max_tokens_limit: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the first invalid field."""
@@ -105,6 +106,14 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
             probs = filtered_probs(logits[b].cpu(), state.params)
             out[b] = torch.multinomial(probs, 1, generator=state.generator)[0]
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """log p(token) of each row under softmax(logits / temperature) [B] (fp32; a greedy row's temperature is 1). The
+    distribution before top-k / top-p: the policy's own, which an RL update recomputes (rl/grpo.py)."""
+    scaled = logits.float() / temperatures.to(logits.device, torch.float32).unsqueeze(-1)
+    picked = tokens.clamp(min=0).to(logits.device).unsqueeze(-1)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, picked).squeeze(-1).cpu()
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -76,14 +76,15 @@ def init_model(init: str | Path, data: TokenDataset, numerics: Numerics,
     return model, runtime.frontend, runtime.folder
 
 
-def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | None = None,
+def lora_model(init: str | Path, data: TokenDataset | None, rank: int, alpha: float | None = None,
                targets: tuple[str, ...] | None = None, train_engram: bool = False,
                device: torch.device | str = "cpu") -> Runtime:
     """The checkpoint `init` kept as stored and frozen on `device`, with fresh fp32 LoRA adapters (`add_lora`) on
     `targets` (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported
     beside the checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no
     gradient, and the released ones would not fit in memory; next to a GPU, FP8 tables stay in host memory
-    (placement.py's `auto`). train_engram: the tables held in the model train too, only the rows batches touch
+    (placement.py's `auto`). data: the prepared training data, whose tokenizer must be the model's (None: the
+    caller tokenizes with the model's own, as RL does). train_engram: the tables held in the model train too, only the rows batches touch
     (model/engram_rows.py)."""
     on_disk = Path(init).is_dir() and (Path(init) / "engram_tables").is_dir()
     if train_engram and on_disk:
@@ -92,7 +93,8 @@ def lora_model(init: str | Path, data: TokenDataset, rank: int, alpha: float | N
     engram = "disk" if on_disk else "device" if train_engram else "auto"
     runtime = open_model(str(init), numerics="fp32",
                          placement=Placement(device=str(device), weights="stored", engram=engram))
-    _check_tokenizer(runtime, init, data)
+    if data is not None:
+        _check_tokenizer(runtime, init, data)
     runtime.model.set_numerics(FINETUNE).train()
     try:
         add_lora(runtime.model, rank, alpha, tuple(targets) if targets else DEFAULT_TARGETS)

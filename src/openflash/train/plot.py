@@ -1,7 +1,8 @@
-"""Loss curves of a training run: `run_dir/metrics.jsonl` -> PNG.
+"""Curves of a run: `run_dir/metrics.jsonl` -> PNG.
 
-metrics.jsonl holds one JSON object per line. Training lines carry `step` and `loss` (plus lr, tokens_per_s);
-evaluation lines carry `step` and `val_loss`. Lines with neither are other records and are ignored.
+metrics.jsonl holds one JSON object per line. A training run's lines carry `step` and `loss` (plus lr,
+tokens_per_s), its evaluation lines `step` and `val_loss`: drawn as loss.png. An RL run's (`openflash rl`) carry
+`reward_mean` and, for the held-out tasks, `eval_solved`: drawn as reward.png. Other lines are ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ class LossCurves:
     train_loss: list[float] = field(default_factory=list)
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
+    reward_steps: list[int] = field(default_factory=list)  # an RL run: the rollouts' mean reward per step
+    reward: list[float] = field(default_factory=list)
+    solved_steps: list[int] = field(default_factory=list)  # and the held-out tasks' solved share
+    solved: list[float] = field(default_factory=list)
+
+    @property
+    def rl(self) -> bool:
+        return bool(self.reward or self.solved) and not (self.train_loss or self.val_loss)
 
 
 def read_metrics(path: Path) -> LossCurves:
@@ -40,7 +49,9 @@ def read_metrics(path: Path) -> LossCurves:
             if not isinstance(record, dict):
                 raise OpenflashError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
             for key, steps, values in (("loss", curves.train_steps, curves.train_loss),
-                                       ("val_loss", curves.val_steps, curves.val_loss)):
+                                       ("val_loss", curves.val_steps, curves.val_loss),
+                                       ("reward_mean", curves.reward_steps, curves.reward),
+                                       ("eval_solved", curves.solved_steps, curves.solved)):
                 if key not in record:
                     continue
                 step, value = record.get("step"), record[key]
@@ -50,23 +61,27 @@ def read_metrics(path: Path) -> LossCurves:
                     raise OpenflashError(f"{path}:{number}: '{key}' must be a number, got {value!r}")
                 steps.append(step)
                 values.append(float(value))
-    if not curves.train_loss and not curves.val_loss:
-        raise OpenflashError(f"{path} has no loss lines (no 'loss' or 'val_loss' values)")
+    if not (curves.train_loss or curves.val_loss or curves.reward or curves.solved):
+        raise OpenflashError(f"{path} has no loss lines (no 'loss' or 'val_loss' values) and no reward lines (no "
+                             f"'reward_mean' or 'eval_solved')")
     return curves
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw train and validation loss against step; returns the PNG path (default RUN_DIR/loss.png)."""
+    """Draw train and validation loss against step (an RL run: reward and held-out solved share); returns the PNG
+    path (default RUN_DIR/loss.png, or reward.png)."""
     # The object-oriented Figure API with the Agg canvas: no pyplot global state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
     curves = read_metrics(run_dir / METRICS_FILE)
-    out = Path(out) if out is not None else run_dir / "loss.png"
+    out = Path(out) if out is not None else run_dir / ("reward.png" if curves.rl else "loss.png")
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    if curves.rl:
+        return _draw_reward(fig, ax, curves, run_dir, out)
     if curves.train_loss:
         ax.plot(curves.train_steps, curves.train_loss, color="tab:blue", linewidth=1.0, alpha=0.8, label="train")
     if curves.val_loss:
@@ -78,6 +93,24 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"{run_dir.resolve().name}: loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
+
+
+def _draw_reward(fig, ax, curves: LossCurves, run_dir: Path, out: Path) -> Path:
+    if curves.reward:
+        ax.plot(curves.reward_steps, curves.reward, color="tab:blue", linewidth=1.0, alpha=0.8,
+                label="rollouts' mean reward")
+    if curves.solved:
+        ax.plot(curves.solved_steps, curves.solved, color="tab:green", linewidth=1.5, marker="o", markersize=3,
+                label="held-out tasks solved")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / solved share")
+    ax.set_title(f"{run_dir.resolve().name}: reward")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,0 +1,90 @@
+"""An RL run's arguments (`RLConfig`), validated as built: every refusal names its flag."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from openflash.errors import OpenflashError
+
+# Arguments a resumed run must share with the run it continues (the rest, --steps for one, may change).
+RESUME_FIXED = ("init", "lora", "lora_alpha", "lora_targets", "tasks", "reward", "group_size", "prompts_per_step",
+                "seed")
+AGGREGATIONS = ("token", "sequence")
+
+
+@dataclass
+class RLConfig:
+    init: str  # the base: preset, checkpoint or run folder (kept frozen as stored)
+    tasks: str  # tasks JSONL (rl/tasks.py)
+    out: str  # run folder
+    reward: str = "exact"  # exact | tests | MODULE:FUNCTION (rl/rewards.py)
+    lora: int = 8  # the trained adapter's rank
+    lora_alpha: float | None = None  # default 2 x rank
+    lora_targets: list[str] | None = None  # default model/lora.py DEFAULT_TARGETS
+    steps: int = 100
+    prompts_per_step: int = 8  # tasks per step; each sampled group_size times
+    group_size: int = 8  # G: completions per prompt, whose rewards are compared among themselves
+    max_tokens: int = 64  # a completion's token budget
+    stop: list[str] | None = None  # stop strings ending a completion
+    temperature: float = 1.0  # the rollouts' (and the update's log-probs')
+    lr: float = 1e-4
+    warmup: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    updates_per_step: int = 1  # optimizer steps per batch of rollouts (its mini-batches); the ratio is clipped
+    micro_batch: int = 8  # sequences per training forward (gradients accumulate over a mini-batch)
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: a higher upper clip)
+    clip_high: float = 0.2
+    kl_coef: float = 0.0  # weight of the KL to the base (the adapter switched off); 0: no reference forward
+    scale_advantages: bool = True  # divide by the group's std (GRPO); off: Dr. GRPO's mean-centred rewards
+    drop_equal_groups: bool = False  # DAPO: skip groups whose rewards are all equal (they carry no signal)
+    overlong_buffer: int = 0  # DAPO: linear penalty over the last N tokens of max_tokens, -1 past it; 0: off
+    aggregation: str = "token"  # token: mean over all completion tokens (DAPO); sequence: per sequence, then mean
+    answer_pattern: str | None = None  # exact: the answer is this regex's last match (its group 1 when it has one)
+    reward_timeout: float = 5.0  # tests: seconds of one sandboxed run
+    reward_memory: int = 512 << 20  # tests: bytes of address space
+    eval_tasks: str | None = None  # held-out tasks: solved share (greedy) before training and at every eval
+    eval_every: int = 0  # 0: before and after training only
+    save_every: int = 50  # 0: at the end only
+    keep_checkpoints: int = 1
+    resume: bool = False
+    verify_init: bool = False  # check the base checkpoint against its checksums.sha256 first
+    seed: int = 0
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "lora", "updates_per_step",
+                     "micro_batch", "keep_checkpoints"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise OpenflashError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                                     f"{getattr(self, name)!r}")
+        if self.group_size < 2:
+            raise OpenflashError(f"--group-size must be at least 2 (advantages compare a prompt's completions), "
+                                 f"got {self.group_size}")
+        for name in ("warmup", "eval_every", "save_every", "overlong_buffer"):
+            if getattr(self, name) < 0:
+                raise OpenflashError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.overlong_buffer >= self.max_tokens:
+            raise OpenflashError(f"--overlong-buffer ({self.overlong_buffer}) must be smaller than --max-tokens "
+                                 f"({self.max_tokens})")
+        for name in ("lr", "temperature", "reward_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise OpenflashError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        for name in ("clip_low", "clip_high", "kl_coef", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise OpenflashError(f"--{name.replace('_', '-')} must be a number >= 0, got {value!r}")
+        if self.clip_low >= 1:
+            raise OpenflashError(f"--clip-low must be below 1 (the ratio's floor is 1 - clip-low), got {self.clip_low}")
+        if self.aggregation not in AGGREGATIONS:
+            raise OpenflashError(f"--aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.reward_memory < 64 << 20:
+            raise OpenflashError(f"--reward-memory must be at least 64MiB (a Python interpreter), got "
+                                 f"{self.reward_memory}")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size

@@ -1,0 +1,94 @@
+"""RL tasks: one JSON object a line, a prompt and what its reward checks.
+
+    {"prompt": "2 + 3 =", "answer": "5"}                                  text prompt, exact-match reward
+    {"messages": [{"role": "user", "content": "..."}], "tools": [...],     chat prompt (the model's chat template,
+     "tests": "assert add(2, 3) == 5"}                                      as the server renders it), unit tests
+
+Any other fields travel with the task to a user's reward function. Bad lines are named (file:line and why) and
+skipped; a file with no good line is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from openflash.chat import chat_format
+from openflash.chat.conversation import ChatOptions
+from openflash.errors import OpenflashError
+from openflash.files.jsonl import BadLine, jsonl_lines
+
+log = logging.getLogger("openflash.rl")
+
+MAX_NAMED = 20  # bad lines listed in the log (the count says how many more)
+
+
+@dataclass(frozen=True)
+class Task:
+    where: str  # file:line
+    prompt_ids: tuple[int, ...]  # what the model is given
+    chat: bool  # rendered with the chat template: the reply's answer part is what `exact` compares
+    thinking: bool  # the chat prompt opened a reasoning part
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the line's object (answer, tests, ...)
+
+
+def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: int | None,
+               needs: str | None = None) -> list[Task]:
+    """The good tasks of a JSONL file, each with its prompt tokenized; bad lines logged by place and skipped.
+    needs: a field every task must have (the reward's: "answer" or "tests"). OpenflashError when none is good."""
+    fmt = None
+    tasks: list[Task] = []
+    bad: list[str] = []
+    for where, record in jsonl_lines(path):
+        try:
+            if isinstance(record, BadLine):
+                raise OpenflashError(record.problem)
+            if not isinstance(record, dict):
+                raise OpenflashError(f"expected a JSON object, got {type(record).__name__}")
+            if needs is not None and needs not in record:
+                raise OpenflashError(f"no {needs!r} field (the reward needs it)")
+            if "prompt" in record:
+                if not isinstance(record["prompt"], str) or not record["prompt"]:
+                    raise OpenflashError("'prompt' must be a non-empty string")
+                ids, chat, thinking = tokenizer.encode(record["prompt"], add_special_tokens=False).ids, False, False
+            elif "messages" in record:
+                if fmt is None:
+                    fmt = chat_format(tokenizer, bos_token_id, eos_token_id)
+                ids, thinking = _chat_prompt(record, where, fmt, tokenizer)
+                chat = True
+            else:
+                raise OpenflashError("neither 'prompt' (text) nor 'messages' (chat)")
+            if not ids:
+                raise OpenflashError("the prompt is empty after tokenization")
+            tasks.append(Task(where, tuple(ids), chat, thinking, record))
+        except OpenflashError as exc:
+            bad.append(f"{where}: {exc}")
+    if bad:
+        more = f" (and {len(bad) - MAX_NAMED} more)" if len(bad) > MAX_NAMED else ""
+        log.warning("%s: %d bad task line(s) skipped%s:\n  %s", path, len(bad), more, "\n  ".join(bad[:MAX_NAMED]))
+    if not tasks:
+        raise OpenflashError(f"{path}: no usable task" + (f" ({len(bad)} bad line(s), first: {bad[0]})" if bad else
+                                                          " (the file is empty)"))
+    return tasks
+
+
+def _chat_prompt(record: dict[str, Any], where: str, fmt: Any, tokenizer: Tokenizer) -> tuple[list[int], bool]:
+    """A chat task's prompt: its messages (and tools) rendered as the server would for the next assistant turn."""
+    from openflash.train.chats import parse_conversation  # (the server's reading of messages, as chat data uses)
+
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise OpenflashError("'messages' must be a non-empty list")
+    # parse_conversation wants an assistant turn to train on; a task's conversation ends before the reply
+    turns, options = parse_conversation({**record, "messages": messages + [{"role": "assistant", "content": "."}]},
+                                        "the task")
+    thinking = bool(record.get("thinking", False)) and fmt.name != "simple"
+    try:
+        text = fmt.render(turns[:-1], ChatOptions(thinking=thinking, tools=options.tools))
+    except Exception as exc:  # RequestError: a conversation the template cannot render
+        raise OpenflashError(f"messages: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=False).ids, thinking

@@ -1,0 +1,333 @@
+"""RL (openflash rl, rl/): the GRPO math against hand-worked numbers, masking, the engine's sampled log-probs against
+the training forward's, tasks and rewards read with named errors, the reward sandbox's limits, and runs on `tiny`:
+the reward rises on a trivially learnable task, an interrupted run resumed equals an uninterrupted one, the adapter
+serves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from openflash.checkpoint import open_model
+from openflash.cli import main as cli_main
+from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.engine.sampling import SamplingParams
+from openflash.errors import OpenflashError
+from openflash.files.peft import adapter_folder, read_adapter
+from openflash.rl.config import RLConfig
+from openflash.rl.grpo import completion_logprobs, equal_groups, group_advantages, overlong_penalty, policy_loss
+from openflash.rl.rewards import ExactAnswer, make_reward
+from openflash.rl.sandbox import Sandbox
+from openflash.rl.tasks import Task, read_tasks
+from openflash.rl.trainer import RLTrainer, adapters_off
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the math ---------------------------------------------------------------------------------------------------
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    # group 0: mean 0.5, sample std sqrt((4 x 0.25) / 3) = 0.57735; group 1: all equal, advantages 0
+    adv = group_advantages(rewards)
+    assert torch.allclose(adv[0], torch.tensor([0.866025, -0.866025, -0.866025, 0.866025], dtype=torch.float64),
+                          atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(group_advantages(rewards, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5],
+                                                                               dtype=torch.float64))
+    assert equal_groups(rewards).tolist() == [False, True]
+
+
+def test_overlong_penalty_by_hand():
+    assert [overlong_penalty(n, 10, 4) for n in (3, 6, 7, 8, 10, 12)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(10, 10, 0) == 0.0
+
+
+def _two_tokens(ratio_a: float, ratio_b: float) -> tuple[torch.Tensor, torch.Tensor]:
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    return torch.log(torch.tensor([[0.5 * ratio_a, 0.5 * ratio_b]])).requires_grad_(), old
+
+
+def test_clipped_surrogate_by_hand():
+    # A = +1, ratios 1.5 and 0.5, clip 0.2: per token -min(1.5, 1.2) = -1.2 (clipped) and -min(0.5, 0.8) = -0.5
+    logp, old = _two_tokens(1.5, 0.5)
+    mask = torch.ones(1, 2)
+    parts = policy_loss(logp, old, torch.tensor([1.0]), mask, 0.2, 0.2)
+    assert math.isclose(float(parts.loss.detach()), -0.85, abs_tol=1e-6) and parts.clipped == 1 and parts.tokens == 2
+    parts.loss.backward()
+    # the clipped token has no gradient; the other: d(-rho A / 2)/d logp = -rho / 2 = -0.25
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.25]]), atol=1e-6)
+    # A = -1: -min(-1.5, -1.2) = 1.5 (not clipped), -min(-0.5, -0.8) = 0.8 (clipped)
+    logp, old = _two_tokens(1.5, 0.5)
+    parts = policy_loss(logp, old, torch.tensor([-1.0]), mask, 0.2, 0.2)
+    assert math.isclose(float(parts.loss.detach()), 1.15, abs_tol=1e-6) and parts.clipped == 1
+    # an asymmetric clip (DAPO): with clip_high 0.6 the first token is inside: -min(1.5, 1.6) = -1.5
+    logp, old = _two_tokens(1.5, 0.5)
+    parts = policy_loss(logp, old, torch.tensor([1.0]), mask, 0.2, 0.6)
+    assert math.isclose(float(parts.loss.detach()), -1.0, abs_tol=1e-6) and parts.clipped == 0
+
+
+def test_masked_tokens_and_aggregations():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 1e-30], [0.5, 0.5, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.5, 0.9], [0.5, 0.5, 0.5, 0.5]]))  # ratios 2, 1, 1, ~0 | 1, 1, 1, 1
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])  # row 0 trains on its first token only
+    adv = torch.tensor([1.0, 1.0])
+    token = policy_loss(logp, old, adv, mask, 0.2, 10.0, aggregation="token")
+    # token: (-2 - 4 x 1) / 5 tokens; the masked tokens (ratio ~0, ratio 1) count for nothing
+    assert math.isclose(float(token.loss), -6 / 5, abs_tol=1e-6) and token.tokens == 5
+    sequence = policy_loss(logp, old, adv, mask, 0.2, 10.0, aggregation="sequence")
+    assert math.isclose(float(sequence.loss), (-2 + -1) / 2, abs_tol=1e-6)
+    half = policy_loss(logp, old, adv, mask, 0.2, 10.0, aggregation="token", normalizer=10.0)
+    assert math.isclose(float(half.loss), -6 / 10, abs_tol=1e-6)
+
+
+def test_kl_to_the_base_by_hand():
+    logp = torch.log(torch.tensor([[0.5, 0.25]]))
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))  # token 2: q - p = log 2: KL_t = 2 - log 2 - 1
+    parts = policy_loss(logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 2), 0.2, 0.2, kl_coef=0.5,
+                        logp_ref=ref)
+    kl = 1 - math.log(2)
+    assert math.isclose(parts.kl, kl, abs_tol=1e-6)
+    assert math.isclose(float(parts.loss.detach()), 0.5 * kl / 2, abs_tol=1e-6)
+
+
+def test_completion_logprobs_pick_the_next_token():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    ids = torch.randint(0, 11, (2, 6))
+    logp, entropy = completion_logprobs(logits, ids, starts=[3, 2], lengths=[3, 2], width=3, temperature=0.5)
+    full = torch.log_softmax(logits / 0.5, dim=-1)
+    assert torch.allclose(logp[0], torch.stack([full[0, t - 1, ids[0, t]] for t in (3, 4, 5)]))
+    assert torch.allclose(logp[1, :2], torch.stack([full[1, t - 1, ids[1, t]] for t in (2, 3)]))
+    assert float(logp[1, 2]) == 0.0 and float(entropy[1, 2]) == 0.0
+    assert torch.allclose(entropy[0, 0], -(full[0, 2].exp() * full[0, 2]).sum())
+
+
+# ---- the engine's log-probs are the training forward's ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return open_model("tiny")
+
+
+def test_sampled_logprobs_match_the_forward(tiny):
+    engine = LLMEngine(tiny, EngineConfig(max_batch=4, max_context=64, prefill_mode="exact"))
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    params = [SamplingParams(temperature=t, max_tokens=6, seed=3, logprobs=True) for t in (0.0, 0.7)]
+    seqs = engine.generate(prompts, params, ignore_eos=True)
+    for seq, p in zip(seqs, params):
+        assert len(seq.output_logprobs) == len(seq.output_ids) == 6
+        ids = torch.tensor([seq.prompt_ids + seq.output_ids])
+        with torch.no_grad():
+            logits = tiny.forward(ids).logits
+        temp = p.temperature or 1.0
+        want, _ = completion_logprobs(logits, ids, [len(seq.prompt_ids)], [6], 6, temp)
+        assert torch.allclose(torch.tensor([seq.output_logprobs]), want, atol=2e-4), (seq.output_logprobs, want)
+    plain = engine.generate([prompts[0]], SamplingParams(max_tokens=3))[0]
+    assert plain.output_logprobs == []
+
+
+# ---- tasks and rewards --------------------------------------------------------------------------------------------
+def _task(fields: dict, chat: bool = False) -> Task:
+    return Task("t.jsonl:1", (1, 2), chat, False, fields)
+
+
+def test_tasks_name_bad_lines_and_keep_the_good(tiny, tmp_path, caplog):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join([json.dumps({"prompt": "2 + 2 =", "answer": "4"}), "{not json", json.dumps([1, 2]),
+                               json.dumps({"prompt": "3 + 3 ="}), json.dumps({"prompt": "", "answer": "1"}),
+                               json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": "x"}),
+                               json.dumps({"messages": [{"role": "robot", "content": "hi"}], "answer": "x"})]) + "\n")
+    tasks = read_tasks(path, tiny.tokenizer, tiny.cfg.bos_token_id, tiny.cfg.eos_token_id, needs="answer")
+    assert [t.where.rsplit(":", 1)[1] for t in tasks] == ["1", "6"]
+    assert tasks[1].chat and not tasks[0].chat
+    log = caplog.text
+    for line, why in ((2, "not JSON"), (3, "expected a JSON object"), (4, "no 'answer' field"), (5, "non-empty"),
+                      (7, "messages.0")):
+        assert f"tasks.jsonl:{line}: " in log and why in log, (line, why)
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("[]\n")
+    with pytest.raises(OpenflashError, match="no usable task"):
+        read_tasks(empty, tiny.tokenizer, None, None)
+
+
+def test_rewards_exact_and_user_functions(tmp_path):
+    exact = make_reward("exact")
+    assert exact(_task({"answer": "4"}), " 4 \n").value == 1.0
+    assert exact(_task({"answer": 4}), "4").value == 1.0 and exact(_task({"answer": "4"}), "44").value == 0.0
+    pattern = ExactAnswer(__import__("re").compile(r"answer: (\d+)"))
+    assert pattern(_task({"answer": "7"}), "answer: 3 ... answer: 7 done").value == 1.0
+    assert pattern(_task({"answer": "7"}), "no idea").value == 0.0
+    module = tmp_path / "my_reward.py"
+    module.write_text("def length(task, completion):\n    return len(completion) / task['scale']\n"
+                      "def broken(task, completion):\n    raise KeyError('oops')\n"
+                      "def nan(task, completion):\n    return float('nan')\n")
+    assert make_reward(f"{module}:length")(_task({"scale": 4}), "ab").value == 0.5
+    score = make_reward(f"{module}:broken")(_task({}), "ab")
+    assert score.value == 0.0 and "raised KeyError" in score.problem
+    assert "not a finite number" in make_reward(f"{module}:nan")(_task({}), "x").problem
+    with pytest.raises(OpenflashError, match="has no function 'missing'"):
+        make_reward(f"{module}:missing")
+    with pytest.raises(OpenflashError, match="cannot import no_such_module"):
+        make_reward("no_such_module:f")
+    with pytest.raises(OpenflashError, match="exact, tests or MODULE:FUNCTION"):
+        make_reward("exactly")
+    with pytest.raises(OpenflashError, match="not a regular expression"):
+        make_reward("exact", answer_pattern="(")
+
+
+# ---- the sandbox ------------------------------------------------------------------------------------------------
+ADD = "def add(a, b):\n    return a + b\n"
+
+
+def test_sandbox_scores_the_share_of_tests_passed():
+    box = Sandbox(timeout=5.0)
+    assert box.run(ADD, ["assert add(2, 3) == 5"]).score == 1.0
+    half = box.run(ADD, ["assert add(2, 3) == 5", "assert add(2, 3) == 6"])
+    assert half.score == 0.5 and "test 1: AssertionError" in half.problem
+    broken = box.run("def add(a, b) return", ["assert add(1, 1) == 2"])
+    assert broken.score == 0.0 and "SyntaxError" in broken.problem
+    reward = make_reward("tests")
+    reply = "Here it is:\n```python\n" + ADD + "```\n"
+    assert reward(_task({"tests": ["assert add(1, 2) == 3"]}), reply).value == 1.0
+
+
+@pytest.mark.parametrize("code, why", [
+    ("while True:\n    pass\n", "killed after"),
+    ("import os\nwhile True:\n    os.fork()\n", ""),  # a fork bomb: stopped by the process limit or the kill
+    ("x = bytearray(2 << 30)\n", "MemoryError"),
+    ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "output"),
+    ("import os\nos.abort()\n", "without a result"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 9))\n", "network access is disabled"),
+])
+def test_sandbox_limits_score_zero_and_leave_nothing_behind(code, why):
+    box = Sandbox(timeout=1.0, memory=256 << 20)
+    start = time.monotonic()
+    outcome = box.run(code, ["assert True"])
+    assert outcome.score == 0.0 and why in outcome.problem, outcome
+    assert time.monotonic() - start < 10
+    assert box.network in ("namespace", "python guard")
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p)]
+    assert not left, f"sandbox processes left running: {left}"
+
+
+def _is_sandbox(pid: str) -> bool:
+    """A live (not zombie) sandbox harness process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"harness.py" not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+# ---- runs on tiny -------------------------------------------------------------------------------------------------
+WORDS = ["cat", "dog", "sun", "tree", "book", "fish", "lamp", "rock", "milk", "door", "bird", "rain"]
+# Trivially learnable: a completion that starts with a space (about a fifth of tiny's vocabulary does).
+REWARD = "def space_first(task, completion):\n    return float(completion.startswith(' '))\n"
+
+
+def _write_tasks(path, words):
+    path.write_text("".join(json.dumps({"prompt": f"Say {w}:", "answer": w}) + "\n" for w in words))
+    return path
+
+
+def _config(tmp, out, **kw) -> RLConfig:
+    (tmp / "space_reward.py").write_text(REWARD)
+    base = dict(init="tiny", tasks=str(_write_tasks(tmp / "tasks.jsonl", WORDS[:8])),
+                reward=f"{tmp / 'space_reward.py'}:space_first", out=str(tmp / out), lora=4, steps=2,
+                prompts_per_step=4, group_size=8, max_tokens=2, lr=3e-2, progress=False)
+    return RLConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A 10-step run through the CLI, with held-out tasks."""
+    tmp = tmp_path_factory.mktemp("rl")
+    cfg = _config(tmp, "run")
+    held_out = _write_tasks(tmp / "held_out.jsonl", WORDS[8:])
+    assert cli_main(["rl", "--init", "tiny", "--tasks", cfg.tasks, "--reward", cfg.reward, "--out", cfg.out,
+                     "--lora", "4", "--steps", "10", "--prompts-per-step", "4", "--group-size", "8", "--max-tokens",
+                     "2", "--lr", "3e-2", "--eval-tasks", str(held_out), "--save-every", "5"]) == 0
+    lines = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return tmp, lines
+
+
+def test_the_reward_rises_on_a_learnable_task(learned):
+    tmp, lines = learned
+    steps = [r for r in lines if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    first, rest = (sum(r["reward_mean"] for r in part) / len(part) for part in (steps[:3], steps[3:]))
+    assert rest >= first + 0.1, [r["reward_mean"] for r in steps]
+    for r in steps:  # the rollouts' log-probs are the training forward's (fp32 vs finetune numerics, one policy)
+        assert r["sampler_logprob_gap"] < 1e-3 and r["trained_sequences"] + 8 * r["groups_empty"] <= 32
+        assert r["rollout_tokens_per_s"] > 0 and r["completion_len"] <= 2
+    evals = [r for r in lines if "eval_solved" in r]
+    assert [r["step"] for r in evals] == [0, 10] and all(r["eval_tasks"] == 4 for r in evals)
+    # held out (greedy): the policy's likeliest first token now starts with a space on prompts it never saw
+    assert evals[1]["eval_solved"] >= 0.75 and evals[1]["eval_solved"] > evals[0]["eval_solved"], evals
+    assert (tmp / "run" / "checkpoints" / "step_00000010" / "adapter_model.safetensors").is_file()
+    assert cli_main(["plot", str(tmp / "run")]) == 0 and (tmp / "run" / "reward.png").is_file()
+
+
+def test_the_trained_adapter_serves_as_the_policy(learned):
+    tmp, _ = learned
+    adapter = read_adapter(adapter_folder(tmp / "run"))
+    assert adapter.scaling == 2.0 and adapter.weights
+    served = open_model("tiny")
+    served.load_adapters({"rl": str(tmp / "run")})
+    engine = LLMEngine(served, EngineConfig(max_batch=2, max_context=32, prefill_mode="exact"))
+    prompt = served.tokenizer.encode("Say milk:").ids
+    base, tuned = engine.generate([prompt, prompt], SamplingParams(max_tokens=2, logprobs=True),
+                                  adapters=[None, "rl"])
+    assert base.output_logprobs != tuned.output_logprobs
+    # the same adapter put on the model as training does computes what the served bank computes
+    cfg = _config(tmp, "probe", steps=1)
+    trainer = RLTrainer(cfg)
+    from openflash.train.finetune import load_adapter_weights
+    load_adapter_weights(trainer.model, adapter, tmp / "run")
+    trainer.model.eval()
+    ids = torch.tensor([prompt + tuned.output_ids])
+    with torch.no_grad():
+        logits = trainer.runtime.forward(ids).logits
+        want, _ = completion_logprobs(logits, ids, [len(prompt)], [2], 2)
+        assert torch.allclose(torch.tensor([tuned.output_logprobs]), want, atol=2e-4)
+        with adapters_off(trainer.model):
+            base_logits = trainer.runtime.forward(ids).logits
+    assert not torch.allclose(logits, base_logits)
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    straight = RLTrainer(_config(tmp_path, "straight"))
+    straight.fit()
+
+    def stop_after_first(trainer, record):
+        trainer.request_stop()
+
+    first = RLTrainer(_config(tmp_path, "resumed"), on_step=stop_after_first)
+    assert first.fit()["step"] == 1
+    with pytest.raises(OpenflashError, match="group_size"):
+        RLTrainer(_config(tmp_path, "resumed", resume=True, group_size=4))
+    second = RLTrainer(_config(tmp_path, "resumed", resume=True))
+    assert second.step == 1 and second.fit()["step"] == 2
+    a, b = (read_adapter(adapter_folder(tmp_path / name)) for name in ("straight", "resumed"))
+    for name, (wa, wb) in a.weights.items():
+        assert torch.allclose(wa, b.weights[name][0], atol=1e-6) and torch.allclose(wb, b.weights[name][1], atol=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "reward_mean" in r] == [1, 2]
+
+
+def test_rl_refuses_bad_arguments_by_flag(tmp_path):
+    for kw, flag in ((dict(group_size=1), "--group-size"), (dict(clip_low=1.0), "--clip-low"),
+                     (dict(overlong_buffer=2), "--overlong-buffer"), (dict(aggregation="mean"), "--aggregation"),
+                     (dict(lr=float("nan")), "--lr")):
+        with pytest.raises(OpenflashError, match=flag):
+            _config(tmp_path, "bad", **kw)
+    with pytest.raises(OpenflashError, match="no 'tests' field"):
+        RLTrainer(_config(tmp_path, "tests", reward="tests"))
