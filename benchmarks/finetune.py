@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -50,6 +49,13 @@ def stored_bytes(folder: Path) -> int:
     return total
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since its exec (VmHWM). Not ru_maxrss: Linux carries the parent's peak across a
+    vfork+exec (subprocess's default), so a child spawned after the parent synthesized a checkpoint would report it."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) * 1024
+
+
 def child(args: argparse.Namespace) -> None:
     """One training run in this process; prints a JSON line of its figures."""
     from openflash.train.trainer import TrainConfig, Trainer
@@ -63,8 +69,7 @@ def child(args: argparse.Namespace) -> None:
     trained = sum(p.numel() for p in trainer.params)
     print(json.dumps({"steps": len(times), "step_seconds": times,
                       "tokens_per_s": args.seq_len / statistics.median(times[1:] or times),
-                      "trainable_params": trained, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                      * 1024}))
+                      "trainable_params": trained, "peak_rss_bytes": peak_rss_bytes()}))
 
 
 def run(init: Path, data: Path, out: Path, lora: int | None, steps: int, seq_len: int,

@@ -1,7 +1,7 @@
 """RL at CPU scale: does `openflash rl` teach a model to do what its pretraining data got wrong, measured on tasks it
 never trained on?
 
-    python benchmarks/rl.py [--steps 40] [--pretrain-steps 300] [--dir DIR] [--init MODEL] [--released]
+    python benchmarks/rl.py [--steps 40] [--pretrain-steps 400] [--dir DIR] [--init MODEL] [--released]
 
 The task, with a checkable answer (exact reward on the completion's first number, `--answer-pattern`):
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import shutil
 import string
 import subprocess
@@ -108,7 +107,10 @@ def released_child(args: argparse.Namespace) -> None:
                                  steps=1, prompts_per_step=2, group_size=2, max_tokens=4, micro_batch=4,
                                  answer_pattern=PATTERN, progress=False))
     record = trainer.train_step()
-    record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sys.path.insert(0, str(Path(__file__).parent))
+    from finetune import peak_rss_bytes
+
+    record["peak_rss_bytes"] = peak_rss_bytes()
     print(json.dumps(record))
 
 
@@ -187,7 +189,8 @@ def main() -> None:
     cli_main(["plot", str(run)])
     alone = engine_alone(init, train_file, args.prompts_per_step, args.group_size, 4)
     median = sorted(r["rollout_tokens_per_s"] for r in steps)[len(steps) // 2]
-    results = {"init": args.init or f"tiny pretrained {args.pretrain_steps} steps (benchmarks/rl.py)", "torch_threads": torch.get_num_threads(), "steps": len(steps),
+    results = {"init": args.init or f"tiny pretrained {args.pretrain_steps} steps (benchmarks/rl.py)",
+               "torch_threads": torch.get_num_threads(), "steps": len(steps),
                "wall_seconds": round(wall, 1), "held_out": [{k: r[k] for k in ("step", "eval_solved", "eval_reward")}
                                                            for r in evals],
                "reward_first_5": sum(r["reward_mean"] for r in steps[:5]) / 5,
