@@ -7,6 +7,8 @@ benchmarks/results/gpu.json. Sections, each timed against what is left of the bu
 skipped and says so):
 
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
+- kernels: products on stored FP8 / MXFP4 weights at released shapes (kernels/triton_products.py) beside
+  dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;
@@ -23,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+
+if "--dry-run" in sys.argv:  # the Triton kernels on CPU tensors: the interpreter, on before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import time
 import traceback
 from pathlib import Path
@@ -111,6 +117,54 @@ def hardware(b: Bench) -> dict[str, float]:
         b.sync()
         times.append(time.perf_counter() - t)
     return {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(2 * m ** 3 / min(times[2:]) / 1e12, 1)}
+
+
+def _median_s(b: Bench, fn: Callable[[], Any], runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        b.sync()
+        t = time.perf_counter()
+        fn()
+        b.sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kernels(b: Bench) -> dict[str, Any]:
+    """Products on stored weights at the released shapes (wq_a, wq_b: FP8; an expert's w1, w2: MXFP4), the Triton
+    kernel beside dequantizing the weight and multiplying in fp32 (what a stored weight cost on CUDA before)."""
+    from openflash import formats
+    from openflash.kernels.triton_products import stored_product
+
+    shapes = [("fp8", 1280, 5120), ("fp8", 32768, 1280), ("fp4", 2304, 5120), ("fp4", 5120, 2304)]
+    rows, runs = (1, 16, 64, 1024), 20
+    if b.dry:
+        shapes, rows, runs = [("fp8", 64, 64), ("fp4", 64, 64)], (1, 17), 1
+    out: dict[str, Any] = {}
+    for storage, n, k in shapes:
+        values = torch.randn(n, k, device=b.device)
+        if storage == "fp8":
+            weight = formats.e4m3_encode(values)
+            scale = torch.full((-(-n // 32), k // 32), 127, dtype=torch.uint8, device=b.device)
+            decoded = formats.e4m3_decode
+            expand = lambda s: s.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)  # noqa: E731
+        else:
+            weight = formats.pack_fp4(formats.e2m1_encode(values.clamp(-6, 6)))
+            scale = torch.full((n, k // 32), 127, dtype=torch.uint8, device=b.device)
+            decoded = lambda w: formats.e2m1_decode(formats.unpack_fp4(w))  # noqa: E731
+            expand = lambda s: s.repeat_interleave(32, 1)  # noqa: E731
+        stored_bytes = weight.numel() + scale.numel()
+        for r in rows:
+            x = torch.randn(r, k, device=b.device)
+            kernel_s = _median_s(b, lambda: stored_product(x, weight, scale, storage, True), runs)
+            dequant_s = _median_s(b, lambda: formats.act_quant_qdq(x) @ (decoded(weight) * expand(
+                formats.ue8m0_decode(scale))).t(), runs)
+            out[f"{storage} {n}x{k} rows {r}"] = {
+                "kernel_us": round(kernel_s * 1e6, 1), "dequantized_us": round(dequant_s * 1e6, 1),
+                "kernel_GBps": round(stored_bytes / kernel_s / 1e9, 1),
+                "kernel_TFLOPs": round(2 * r * n * k / kernel_s / 1e12, 2)}
+    return out
 
 
 def parity(b: Bench) -> dict[str, Any]:
@@ -318,7 +372,7 @@ def main() -> int:
         print("benchmarks/gpu.py needs a CUDA device (--dry-run checks it on the CPU)", file=sys.stderr)
         return 2
     b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run, Path(args.out))
-    sections = [("hardware", 5, hardware), ("parity", 40, parity), ("decode", 90, decode),
+    sections = [("hardware", 5, hardware), ("kernels", 30, kernels), ("parity", 40, parity), ("decode", 90, decode),
                 ("released", 150, lambda bb: released(bb, Path(args.cut_dir))), ("engine", 90, engine),
                 ("train", 30, train)]
     for name, needs, fn in sections:

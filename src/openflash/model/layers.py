@@ -10,7 +10,8 @@ Two residencies (`Linear.keep_dequantized`, set model-wide by `Transformer.set_w
   is rebuilt when the stored bytes change.
 - "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16). Up to
   16 rows on a CPU with AVX2 (decode, batched decode, verification) are multiplied by the native kernels straight
-  from those bytes (kernels/: decoded in registers, the activation QDQ fused); otherwise each call dequantizes one
+  from those bytes (kernels/: decoded in registers, the activation QDQ fused), and on CUDA any number of rows of
+  an FP8 or FP4 weight by Triton's (kernels/triton_products.py); otherwise each call dequantizes one
   tile of output rows at a time (at most TILE_BYTES of fp32) and multiplies it in fp32, so memory is the
   checkpoint's size plus one tile. Same values, same fp32 arithmetic (to summation order).
 Inputs to quantized weights are FP8-quantized per 32 channels first, as the reference's GEMMs do.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash import formats
-from openflash.kernels import native
+from openflash.kernels import native, triton_products
 from openflash.model.compiled import graph_linear, rowwise
 from openflash.model.numerics import FP32, Numerics
 
@@ -190,7 +191,7 @@ class LayerKernels:
         qdq = layer.quantized and layer.numerics.act_quant
         if x.numel() == 0:  # an expert without tokens, called for its (zero) gradients: nothing to read
             y = x.new_zeros(*x.shape[:-1], layer.out_features, dtype=torch.float32)
-        elif not (layer.fp32_resident or x.requires_grad) and layer.native_format and native.serves(x, layer.weight):
+        elif not (layer.fp32_resident or x.requires_grad) and _kernel_serves(layer, x):
             y = _native_linear(layer, x, qdq)  # the QDQ inside the call
         else:
             if qdq:  # with a gradient to pass on (fine-tuning a quantized base), straight-through
@@ -217,11 +218,21 @@ class CompiledLayerKernels(LayerKernels):
         return rowwise(formats.act_quant_qdq, x)
 
 
+def _kernel_serves(layer: Linear, x: torch.Tensor) -> bool:
+    """Whether a kernel multiplies x by the weight as stored: Triton's on CUDA (FP8, FP4), the native ones on the
+    CPU (FP8, FP4, bf16)."""
+    if x.is_cuda:
+        return triton_products.serves(x, layer.weight, layer.storage)
+    return layer.native_format and native.serves(x, layer.weight)
+
+
 def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool) -> torch.Tensor:
-    """x W^T from the stored bytes by the native kernels (kernels/native.py), the activation QDQ in the call
-    (act_qdq: whether)."""
+    """x W^T from the stored bytes by the kernels (kernels/native.py on the CPU, kernels/triton_products.py on
+    CUDA), the activation QDQ in the call (act_qdq: whether)."""
     x2 = x.reshape(-1, layer.in_features).float()
-    if layer.storage == "fp8":
+    if x.is_cuda:
+        y = triton_products.product(x2, layer.weight, layer.scale, layer.storage, act_qdq)
+    elif layer.storage == "fp8":
         y = native.fp8_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
     elif layer.storage == "fp4":
         y = native.fp4_gemv(x2, formats.as_uint8(layer.weight), formats.as_uint8(layer.scale), act_qdq)
@@ -237,7 +248,7 @@ class _StoredProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         ctx.layer = layer
-        if layer.native_format and native.serves(x, layer.weight):
+        if _kernel_serves(layer, x):
             return _native_linear(layer, x, False)
         return _tiled_linear(layer, x)
 

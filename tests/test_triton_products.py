@@ -1,0 +1,106 @@
+"""The GPU products on stored FP8 / MXFP4 weights (kernels/triton_products.py), run by Triton's interpreter on the
+CPU (tests/conftest.py turns it on where there is no GPU), against dequantize-then-matmul in fp64: every E4M3 and E2M1 code, extreme UE8M0 exponents, odd shapes, one
+and many rows, with and without the activation QDQ. On a machine with CUDA the same checks run on the GPU too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openflash import formats
+from openflash.kernels import triton_products
+
+pytestmark = pytest.mark.skipif(not triton_products.available(), reason="Triton is not installed")
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
+
+
+def stored(storage: str, n: int, k: int, gen: torch.Generator, scale_bytes: tuple[int, int] = (115, 135),
+           nan_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bytes covering every code (E4M3's NaN codes only when asked), scales in scale_bytes; and the fp64
+    dequantized weight [n, k]."""
+    lo, hi = scale_bytes
+    if storage == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+        codes.view(-1)[:256] = torch.arange(256, dtype=torch.int32)[: min(256, n * k)]  # every code, once at least
+        if not nan_codes:
+            codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)
+        weight = codes.to(torch.uint8)
+        scale = torch.randint(lo, hi + 1, (-(-n // 32), k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        values = formats.e4m3_decode(weight).double()
+        scales = formats.ue8m0_decode(scale).double().repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        codes.view(-1)[:16] = torch.arange(16, dtype=torch.int32)
+        weight = formats.pack_fp4(codes.to(torch.uint8))
+        scale = torch.randint(lo, hi + 1, (n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        values = formats.e2m1_decode(codes.to(torch.uint8)).double()
+        scales = formats.ue8m0_decode(scale).double().repeat_interleave(32, 1)
+    return weight, scale, values * scales
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor, act_qdq: bool) -> torch.Tensor:
+    x = formats.act_quant_qdq(x) if act_qdq else x
+    return x.double() @ w.t()
+
+
+def check(y: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 accumulation against fp64: relative to each row's magnitude (the sum's rounding scales with it)."""
+    y = y.cpu().double()
+    assert y.shape == want.shape
+    bound = 1e-5 * (want.abs().amax(dim=-1, keepdim=True) + 1e-300)
+    assert bool(((y - want).abs() <= bound).all()), f"max error {(y - want).abs().max():.3g}, bound {bound.min():.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
+@pytest.mark.parametrize("act_qdq", [True, False])
+def test_matches_dequantized(device: str, storage: str, rows: int, act_qdq: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + (storage == "fp4"))
+    n, k = 72, 96  # N not a multiple of 32 or of the kernel's tile; K three scale blocks
+    weight, scale, w = stored(storage, n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    y = triton_products.stored_product(x.to(device), weight.to(device), scale.to(device), storage, act_qdq)
+    check(y, oracle(x, w, act_qdq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+@pytest.mark.parametrize("scale_bytes, x_scale", [((0, 8), 2.0**100), ((240, 254), 2.0**-100)])
+def test_extreme_scales(device: str, storage: str, scale_bytes: tuple[int, int], x_scale: float) -> None:
+    """UE8M0 bytes at both ends (byte 0 is the subnormal 2^-127), with activations that keep the result finite."""
+    gen = torch.Generator().manual_seed(scale_bytes[0])
+    weight, scale, w = stored(storage, 40, 64, gen, scale_bytes)
+    x = torch.randn(3, 64, generator=gen) * x_scale
+    y = triton_products.stored_product(x.to(device), weight.to(device), scale.to(device), storage, False)
+    check(y, oracle(x, w, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_codes_and_scales_propagate(device: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight, scale, _ = stored("fp8", 64, 32, gen)
+    weight[5, 3] = 0x7F  # E4M3's NaN
+    scale[1, 0] = 255  # UE8M0's NaN: rows 32..63
+    y = triton_products.stored_product(torch.randn(2, 32, generator=gen).to(device), weight.to(device),
+                                       scale.to(device), "fp8", True).cpu()
+    nan_rows = torch.isnan(y).all(dim=0)
+    assert nan_rows[5] and nan_rows[32:].all() and not torch.isnan(y[:, :5]).any()
+
+
+def test_bad_shapes_are_named() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight, scale, _ = stored("fp4", 32, 64, gen)
+    with pytest.raises(ValueError, match=r"fp4 weight \(32, 32\) / scale \(32, 2\) do not hold K = 96"):
+        triton_products.stored_product(torch.randn(1, 96), weight, scale, "fp4", True)
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        triton_products.stored_product(torch.randn(1, 40), weight, scale, "fp4", True)
+    with pytest.raises(ValueError, match="neither fp8 nor fp4"):
+        triton_products.stored_product(torch.randn(1, 64), weight, scale, "bf16", True)
+
+
+def test_empty_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight, scale, _ = stored("fp8", 32, 32, gen)
+    assert triton_products.stored_product(torch.randn(0, 32), weight, scale, "fp8", True).shape == (0, 32)
