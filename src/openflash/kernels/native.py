@@ -169,7 +169,7 @@ def _fp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bo
     return _quantized("of_fp4_gemv", x, weight, scale, act_qdq)
 
 
-def _dispatch(name: str, call: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+def dispatch(name: str, call: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """The op openflash::`name` inside a traced graph, `call` itself in eager mode (module section comment)."""
     return getattr(torch.ops.openflash, name)(*args) if torch.compiler.is_compiling() else call(*args)
 
@@ -177,18 +177,18 @@ def _dispatch(name: str, call: Callable[..., torch.Tensor], *args: Any) -> torch
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
     """x [R, K] fp32 (R <= 16) times an FP8 E4M3 weight [N, K] (its bytes) with UE8M0 scales per 32 x 32 block
     [ceil(N/32), K/32]; act_qdq: FP8-QDQ x per 32 channels first. Returns [R, N] fp32."""
-    return _dispatch("fp8_gemv", _fp8, x, weight, scale, act_qdq)
+    return dispatch("fp8_gemv", _fp8, x, weight, scale, act_qdq)
 
 
 def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_qdq: bool) -> torch.Tensor:
     """x [R, K] fp32 (R <= 16) times an MXFP4 weight [N, K/2] (two E2M1 codes a byte, element 2j in the low nibble)
     with UE8M0 scales per 1 x 32 [N, K/32]; act_qdq as for fp8_gemv. Returns [R, N] fp32."""
-    return _dispatch("fp4_gemv", _fp4, x, weight, scale, act_qdq)
+    return dispatch("fp4_gemv", _fp4, x, weight, scale, act_qdq)
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [R, K] fp32 (R <= 16) times a bf16 weight [N, K]. Returns [R, N] fp32."""
-    return _dispatch("bf16_gemv", _bf16, x, weight)
+    return dispatch("bf16_gemv", _bf16, x, weight)
 
 
 def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
@@ -199,7 +199,7 @@ def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor],
     y[token] += h W2^T in pair order. The lists hold each expert's MXFP4 bytes and UE8M0 scales: w1, w3 [I, K/2],
     s1, s3 [I, K/32], w2 [K, I/2], s2 [K, I/32]. act_qdq: FP8-QDQ x and h per 32 (the experts' input rounding).
     Returns y [T, K] fp32."""
-    return _dispatch("fp4_experts", _experts, x, w1, s1, w3, s3, w2, s2, token, expert, weight, limit, act_qdq)
+    return dispatch("fp4_experts", _experts, x, w1, s1, w3, s3, w2, s2, token, expert, weight, limit, act_qdq)
 
 
 def _experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from openflash import formats
+from openflash.kernels.native import dispatch
 
 try:
     import triton
@@ -128,8 +129,8 @@ def stored_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, s
     block_m = 16 if R <= 16 else 64
     block_n = 64
     grid = (-(-N // block_n), -(-R // block_m))
-    _KERNEL[grid](x, xs, weight, scale, y, R, N, K, FP4=fp4, HAS_XS=act_qdq, IEEE=not act_qdq,
-                                   BLOCK_M=block_m, BLOCK_N=block_n)
+    _KERNEL[grid](x, xs, weight, scale, y, R, N, K, FP4=fp4, HAS_XS=act_qdq, IEEE=not act_qdq, BLOCK_M=block_m,
+                  BLOCK_N=block_n)
     return y
 
 
@@ -149,7 +150,5 @@ _OP = _register_op()
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str, act_qdq: bool) -> torch.Tensor:
-    """The op inside a traced graph, the call itself in eager mode (no dispatcher cost per product)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.openflash.stored_product(x, weight, scale, storage, act_qdq)
-    return stored_product(x, weight, scale, storage, act_qdq)
+    """`stored_product` as openflash::stored_product inside a traced graph, called directly in eager mode."""
+    return dispatch("stored_product", stored_product, x, weight, scale, storage, act_qdq)
