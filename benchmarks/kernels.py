@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.kernels import native
 from openflash.model.layers import Linear
 from openflash.model.numerics import FP32
@@ -173,12 +173,12 @@ def main() -> None:
                     use_isa("1")
                 row.update(avx2_ms=1e3 * seconds, avx2_of_bandwidth=nbytes / seconds / bandwidth)
             if rows in args.pytorch_rows:
-                off = native.serves
-                native.serves = lambda *a: False  # the PyTorch path: what the kernels replace
+                off = kernels.serves
+                kernels.serves = lambda *a: False  # the PyTorch path: what the kernels replace
                 try:
                     seconds = time_products(lins[:2], x, 2)
                 finally:
-                    native.serves = off
+                    kernels.serves = off
                 row.update(pytorch_ms=1e3 * seconds, pytorch_gbps=nbytes / seconds / 1e9)
                 row["speedup"] = row["pytorch_ms"] / row["kernel_ms"]
             rows_out.append(row)

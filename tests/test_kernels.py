@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.kernels import native
 from openflash.model.layers import Linear
 from openflash.model.numerics import FP32, PLAIN
@@ -120,7 +120,7 @@ def test_a_stored_linear_uses_them_and_equals_the_pytorch_path(storage, monkeypa
             x = torch.randn(rows, 256)
             got = lin(x)
             with monkeypatch.context() as off:
-                off.setattr(native, "serves", lambda *a: False)
+                off.setattr(kernels, "serves", lambda *a: False)
                 want = lin(x)
             _close(got, want)
     assert calls == [(1, 256), (16, 256)] * 2  # 17 rows: the tiled path
@@ -227,6 +227,28 @@ def test_the_kernel_choice_is_named(monkeypatch):
         native.status.cache_clear()
         with pytest.raises(ValueError, match="OPENFLASH_KERNELS='fast': expected 0 \\(off\\), avx2 or 1"):
             native.status()
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()
+
+
+def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
+    """kernels.product_kernel, the one answer every caller (layers, MoE, decode graph, --weights auto) asks."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [kernels.product_kernel(cpu, f, 16) for f in ("fp8", "fp4", "bf16")] == ["native"] * 3
+    assert kernels.product_kernel(cpu, "fp8", native.MAX_ROWS + 1) is None  # a prefill: dequantized tiles
+    assert kernels.product_kernel(cpu, None, 1) is None  # an fp32 weight
+    assert kernels.experts_kernel(cpu, "fp4") and not kernels.experts_kernel(cpu, "fp8")
+    triton = kernels.triton_products.available()
+    assert kernels.product_kernel(cuda, "fp4", 4096) == ("triton" if triton else None)
+    assert kernels.product_kernel(cuda, "bf16", 1) is None and not kernels.experts_kernel(cuda, "fp4")
+    x, w = torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.uint8)
+    assert kernels.serves(x, w, "fp8") and not kernels.serves(x[:, :48], w[:, :48], "fp8")  # K not whole blocks
+    assert not kernels.serves(x, w.t().contiguous().t(), "fp8")  # a strided weight
+    monkeypatch.setenv("OPENFLASH_KERNELS", "0")
+    native.status.cache_clear()
+    try:
+        assert kernels.product_kernel(cpu, "fp8", 1) is None
     finally:
         monkeypatch.undo()
         native.status.cache_clear()

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.config import PRESETS, FlashConfig, load_config
 from openflash.errors import CheckpointError
 from openflash.files.atomic import write_text_atomic
@@ -37,7 +37,6 @@ from openflash.files.hub import hub_snapshot, looks_like_repo_id
 from openflash.files.manifest import verify_manifest, write_manifest
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE, ShardReader, tensor_locations
-from openflash.kernels import native
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.tokenmap import TokenMap, find_token_map_file
@@ -365,9 +364,11 @@ def choose_residency(model: Transformer, available: int | None = None, device: s
         free = available_memory()
     if dequantized_bytes(model) > free // 4:
         return "stored"
-    quantized = any(m.quantized for m in model.modules() if isinstance(m, Linear))
-    kernels = torch.device(device).type == "cpu" and native.available()
-    return "stored" if quantized and kernels and model.cfg.hidden_size >= KERNELS_WIDTH else "dequantized"
+    stored = {m.storage for m in model.modules() if isinstance(m, Linear) and m.quantized}
+    # One decode row: the step stored weights are chosen for. Only the native kernels' speed has been measured
+    # against the dequantized path; Triton's on CUDA has not (docs/benchmarks.md), so CUDA keeps fp32 copies.
+    native = bool(stored) and all(kernels.product_kernel(torch.device(device), f, 1) == "native" for f in stored)
+    return "stored" if native and model.cfg.hidden_size >= KERNELS_WIDTH else "dequantized"
 
 
 def available_memory() -> int:

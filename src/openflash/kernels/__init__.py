@@ -1,3 +1,44 @@
 """Kernels for the stored weight formats. On the CPU: native.py builds, loads and registers them; the C code is gemv.c
 (entry points, the experts' call), activations.c (QDQ, layouts), avx2.c and avx512.c (the products). On CUDA:
-triton_products.py (FP8 and MXFP4 products in Triton)."""
+triton_products.py (FP8 and MXFP4 products in Triton).
+
+Whether a kernel serves a product is answered here and only here (`product_kernel`, `serves`, `experts_kernel`):
+the layers, the MoE, the decode graph and `--weights auto` all ask these."""
+
+from __future__ import annotations
+
+import torch
+
+from openflash.kernels import native, triton_products
+
+NATIVE_FORMATS = ("fp8", "fp4", "bf16")  # what the CPU kernels read as stored
+TRITON_FORMATS = ("fp8", "fp4")
+
+
+def product_kernel(device: torch.device, stored: str | None, rows: int) -> str | None:
+    """Which kernel multiplies `rows` activation rows on `device` by a weight kept as stored in format `stored`
+    (fp8, fp4, bf16; None: an fp32 weight, no kernel): "native" (the CPU, the kernels built here, at most
+    native.MAX_ROWS rows), "triton" (CUDA, FP8 or FP4, any rows, Triton importable), or None (the PyTorch path)."""
+    if device.type == "cpu" and stored in NATIVE_FORMATS and rows <= native.MAX_ROWS and native.available():
+        return "native"
+    if device.type == "cuda" and stored in TRITON_FORMATS and triton_products.available():
+        return "triton"
+    return None
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor, stored: str | None) -> bool:
+    """Whether a kernel multiplies x [..., K] by this stored weight: `product_kernel` names one for x's device and
+    rows, the weight lies on that device, contiguous, and K is whole 32-blocks."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (product_kernel(x.device, stored, rows) is not None and weight.device == x.device
+            and weight.is_contiguous() and x.shape[-1] % native.BLOCK == 0)
+
+
+def experts_kernel(device: torch.device, stored: str | None) -> bool:
+    """Whether one kernel call computes a MoE layer's routed experts from their stored bytes: FP4 experts on the
+    CPU with the native kernels (kernels/native.py `fp4_experts`). CUDA has no grouped experts kernel yet: each
+    expert's products go through `product_kernel`."""
+    return device.type == "cpu" and stored == "fp4" and native.available()
+
+
+__all__ = ["product_kernel", "serves", "experts_kernel", "native", "triton_products"]

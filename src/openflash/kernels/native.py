@@ -37,7 +37,7 @@ HEADER = Path(__file__).with_name("kernels.h")
 ISA_AVX2, ISA_AVX512_BF16 = 1, 2  # kernels.h: of_cpu_features() bits, the `isa` argument of the entry points
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 MAX_ROWS = 16  # activation rows per call (decode, batched decode, speculative verification)
-BLOCK = 32
+BLOCK = 32  # K per UE8M0 scale block (FP8 and FP4); every kernel takes whole blocks
 
 
 @dataclass(frozen=True)
@@ -281,12 +281,5 @@ def available() -> bool:
     return status().available
 
 
-def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of x [..., K] with this stored weight runs natively: kernels here, CPU tensors, a
-    contiguous weight, at most MAX_ROWS rows, whole 32-blocks of K."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.is_contiguous()
-            and x.numel() // x.shape[-1] <= MAX_ROWS and x.shape[-1] % BLOCK == 0 and available())
-
-
-__all__ = ["Status", "status", "build", "library_path", "available", "serves", "fp8_gemv", "fp4_gemv", "bf16_gemv", "fp4_experts",
+__all__ = ["Status", "status", "build", "library_path", "available", "fp8_gemv", "fp4_gemv", "bf16_gemv", "fp4_experts",
            "MAX_ROWS", "ISA_AVX2", "ISA_AVX512_BF16"]

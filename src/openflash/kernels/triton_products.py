@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from openflash import formats
-from openflash.kernels.native import dispatch
+from openflash.kernels.native import BLOCK, dispatch
 
 try:
     import triton
@@ -32,19 +32,10 @@ try:
 except ImportError:  # a CPU-only torch without the test extra
     triton = tl = None
 
-BLOCK = 32  # K per scale block (both formats)
-
 
 def available() -> bool:
     """Whether Triton is importable here."""
     return triton is not None
-
-
-def serves(x: torch.Tensor, weight: torch.Tensor, storage: str) -> bool:
-    """Whether a product of x [..., K] with this stored weight runs here: CUDA tensors, an FP8 or MXFP4 weight,
-    contiguous, whole 32-blocks of K, Triton importable."""
-    return (x.is_cuda and weight.is_cuda and storage in ("fp8", "fp4") and weight.is_contiguous()
-            and x.shape[-1] % BLOCK == 0 and available())
 
 
 def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: tl.constexpr, IEEE: tl.constexpr,

@@ -15,8 +15,8 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
   (routed.py `native`, static); a model with offloaded experts decodes on the per-kernel path.
 GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
 the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, the gather fused into its loads.
-Weights in "stored" residency are read by the native kernels (kernels/native.py), custom ops in the graph: a batch
-of up to MAX_ROWS rows.
+Weights in "stored" residency are read by the kernels `kernels.product_kernel` names, custom ops in the graph: the
+native ones on the CPU (a batch of up to native.MAX_ROWS rows), Triton's on CUDA.
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
@@ -35,9 +35,9 @@ On a CUDA device the compiled step is recorded as a CUDA graph per cache layout 
 launches, not the arithmetic, are a small model's step there.
 
 Where a step cannot be one graph it runs on the per-kernel path: prefill chunks, speculative rounds (several tokens
-a step), steps with a probe, images or an ExpertSource, "stored" weights the native kernels do not serve here (no
-kernels, or a batch past MAX_ROWS: no fp32 copies to gather), more than STORED_EXPERTS_IN_GRAPH routed experts a
-layer kept as stored (each would be a graph input).
+a step), steps with a probe, images or an ExpertSource, "stored" weights no kernel serves here (no kernels, a batch
+past the native kernels' rows, stored experts without an experts kernel: no fp32 copies to gather), more than
+STORED_EXPERTS_IN_GRAPH routed experts a layer kept as stored (each would be a graph input).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from openflash.kernels import native
+from openflash import kernels
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
 from openflash.model.cuda_graph import CudaGraphStep
@@ -125,10 +125,13 @@ class DecodeGraph:
             reason = "routed experts from an ExpertSource"
         elif cache.replay is not None:
             reason = "a pending bounded-replay prefill"
-        elif not all(m.fp32_resident for m in self._linears) and not (
-                native.available() and cache.pos.numel() <= native.MAX_ROWS
-                and all(m.weight.device.type == "cpu" for m in self._linears)):
-            reason = '"stored" weights without the native kernels (none here, or a batch past 16 rows)'
+        elif any(not m.fp32_resident and kernels.product_kernel(m.weight.device, m.stored_format,
+                                                                 cache.pos.numel()) is None for m in self._linears):
+            reason = '"stored" weights no kernel serves here (none built, or a batch past the native kernels\' rows)'
+        elif any(not m.experts[0].w1.fp32_resident
+                 and not kernels.experts_kernel(m.experts[0].w1.weight.device, m.experts[0].w1.stored_format)
+                 for m in self._moes if m.experts):
+            reason = "routed experts kept as stored without an experts kernel here (CUDA has none yet)"
         elif any(not m.experts[0].w1.fp32_resident and m.n_experts > STORED_EXPERTS_IN_GRAPH for m in self._moes):
             reason = f"more than {STORED_EXPERTS_IN_GRAPH} routed experts a layer kept as stored"
         elif any(m.adapter is not None for m in self._every_linear):

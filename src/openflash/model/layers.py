@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.kernels import native, triton_products
 from openflash.model.compiled import graph_linear, rowwise
 from openflash.model.numerics import FP32, Numerics
@@ -107,9 +107,12 @@ class Linear(nn.Module, NumericsMixin):
         return self.storage != "float"
 
     @property
-    def native_format(self) -> bool:
-        """Stored in a format the native kernels read: FP8, FP4 or a bf16 matrix."""
-        return self.quantized or self.weight.dtype == torch.bfloat16
+    def stored_format(self) -> str | None:
+        """The format a kernel would read the weight in as stored (kernels.product_kernel): fp8, fp4, bf16, or None
+        for an fp32 weight."""
+        if self.quantized:
+            return self.storage
+        return "bf16" if self.weight.dtype == torch.bfloat16 else None
 
     @property
     def fp32_resident(self) -> bool:
@@ -219,11 +222,9 @@ class CompiledLayerKernels(LayerKernels):
 
 
 def _kernel_serves(layer: Linear, x: torch.Tensor) -> bool:
-    """Whether a kernel multiplies x by the weight as stored: Triton's on CUDA (FP8, FP4), the native ones on the
-    CPU (FP8, FP4, bf16)."""
-    if x.is_cuda:
-        return triton_products.serves(x, layer.weight, layer.storage)
-    return layer.native_format and native.serves(x, layer.weight)
+    """Whether a kernel multiplies x by the weight as stored (kernels.serves: Triton's on CUDA, the native ones on
+    the CPU)."""
+    return kernels.serves(x, layer.weight, layer.stored_format)
 
 
 def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool) -> torch.Tensor:

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.config import FlashConfig
-from openflash.kernels import native as native_kernels
 from openflash.model import routed
 from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
@@ -166,8 +165,8 @@ class MoE(nn.Module, NumericsMixin):
         offloaded = self.offloaded
         first = self.experts[0].w1
         # The native call: FP4 experts as stored (an ExpertSource's always are), inference, fp32 arithmetic.
-        native = first.storage == "fp4" and (offloaded or not first.fp32_resident) and not torch.is_grad_enabled() \
-            and not self.numerics.bf16_boundaries and x.device.type == "cpu" and native_kernels.available()
+        native = (offloaded or not first.fp32_resident) and not torch.is_grad_enabled() \
+            and not self.numerics.bf16_boundaries and kernels.experts_kernel(x.device, first.stored_format)
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
                              fp32_experts=not offloaded and first.fp32_resident,
                              adapted=self.adapted, native=native)
@@ -252,7 +251,7 @@ class MoE(nn.Module, NumericsMixin):
         def stored(name: str, part: str) -> list[torch.Tensor]:
             return [getattr(getattr(e, name), part) for e in experts]
 
-        return native_kernels.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
+        return kernels.native.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
                                           stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),
                                           stored("w2", "scale"), token, index, weight, self.experts[0].limit,
                                           self.numerics.act_quant)
