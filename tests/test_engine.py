@@ -15,11 +15,12 @@ import torch
 from openflash import formats
 from openflash.checkpoint import open_model
 from openflash.config import load_config
-from openflash.engine.cache import BlockPool, CacheFactory, EntryLayout, encode_kv_exact
+from openflash.engine.block_pool import BlockPool, EntryLayout, encode_kv_exact
+from openflash.engine.cache import CacheFactory
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
-from openflash.engine.request import (ABORT, LENGTH, STOP, EngineStoppedError, MaxTokensError, PromptTooLongError,
-                                      QueueFullError, Sequence, SequenceStatus)
+from openflash.engine.prompt import EMPTY, INVALID_IMAGES, INVALID_TOKEN, MAX_TOKENS, TOO_LONG, PromptError
+from openflash.engine.request import ABORT, LENGTH, STOP, EngineStoppedError, QueueFullError, Sequence, SequenceStatus
 from openflash.engine.sampling import SamplerState, SamplingParams
 from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
@@ -297,16 +298,22 @@ def test_stop_strings_stop_ids_and_length(plain):
 
 
 def test_request_validation(plain):
+    """Every prompt check is the one intake's (engine/prompt.py), each refusal a PromptError with its code."""
     rt = plain
     engine = LLMEngine(rt, EngineConfig(max_context=64, max_waiting=2, prefix_cache=False))
-    with pytest.raises(PromptTooLongError, match="64"):
-        engine.add_request(list(range(3, 70)), SamplingParams(max_tokens=1))
-    with pytest.raises(MaxTokensError, match="max_tokens 20"):
-        engine.add_request(list(range(3, 50)), SamplingParams(max_tokens=20))
+    refused = {TOO_LONG: (list(range(3, 70)), 1, (), "64"), MAX_TOKENS: (list(range(3, 50)), 20, (), "max_tokens 20"),
+               INVALID_TOKEN: ([5, 5000], 1, (), "vocabulary"), EMPTY: ([], 1, (), "empty"),
+               INVALID_IMAGES: ([5], 1, [object()], "vision tower")}
+    for code, (ids, max_tokens, images, words) in refused.items():
+        with pytest.raises(PromptError, match=words) as e:
+            engine.add_request(ids, SamplingParams(max_tokens=max_tokens), images=images)
+        assert e.value.code == code
+    assert engine.prompt_intake.max_token_chars is not None  # the preset tokenizer bounds characters per token
+    with pytest.raises(PromptError, match="characters, so at least") as e:  # refused before it is tokenized
+        engine.add_request("x" * 64 * engine.prompt_intake.max_token_chars, SamplingParams(max_tokens=1))
+    assert e.value.code == TOO_LONG
     with pytest.raises(OpenflashError, match="temperature"):
         engine.add_request([5], SamplingParams(temperature=-1))
-    with pytest.raises(OpenflashError, match="vocabulary"):
-        engine.add_request([5, 5000], SamplingParams(max_tokens=1))
     engine.add_request([5], SamplingParams(max_tokens=1))
     engine.add_request([6], SamplingParams(max_tokens=1))
     with pytest.raises(QueueFullError):

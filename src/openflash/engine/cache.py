@@ -2,18 +2,18 @@
 
 The global cache (architecture.md §7.2; quant_and_cache.md §6) is one compressed KV plane plus one index-key plane
 per KV-owner (FULL) layer; it grows with the sequence, so it lives in fixed-size blocks taken from one `BlockPool`
-shared by every owner layer and every sequence. A sequence's `PagedCompressedCache` holds only a block table per
-row. Regrouping the decode batch (select / concat) then copies block tables, never KV; a cached prompt prefix shares
-its full blocks with the sequences that reuse it (reference counts, copy-on-write for the one block a sequence
-still appends to). Everything bounded per sequence (window rings, the compressor's open group, the Engram hash
-history) stays dense and is copied on regroup.
+(block_pool.py) shared by every owner layer and every sequence. A sequence's `PagedCompressedCache` holds only a
+block table per row. Regrouping the decode batch (select / concat) then copies block tables, never KV; a cached
+prompt prefix shares its full blocks with the sequences that reuse it (reference counts, copy-on-write for the one
+block a sequence still appends to). Everything bounded per sequence (window rings, the compressor's open group, the
+Engram hash history) stays dense and is copied on regroup.
 
 Storage formats (`kv_storage`):
 - "fp32": planes hold the QDQ'd values as fp32 (what the model computes with);
 - "packed": the trained formats, quant_and_cache.md §6: main KV as E2M1 with an E4M3 scale per 16 channels
   (288 B per 512-d entry), index keys as MXFP4 (E2M1 + UE8M0 per 32; 68 B per 128-d key), window rings as FP8
   E4M3 + UE8M0 per 32 (528 B per 512-d slot). The model already QDQs these tensors (numerics `cache_qdq`), so
-  packing loses nothing: decode(encode(v)) == v for every QDQ'd v (see `encode_kv_exact`).
+  packing loses nothing: decode(encode(v)) == v for every QDQ'd v (block_pool.py `encode_kv_exact`).
 
 `PagedCompressedCache` and `PackedWindowCache` implement the store protocols the model declares (`CompressedStore`,
 `WindowStore` in model/cache.py), so the model computes with them as with its dense stores, and `ModelCache`'s
@@ -28,211 +28,10 @@ import torch
 
 from openflash import formats
 from openflash.config import FlashConfig
-from openflash.errors import OpenflashError
-from openflash.model.cache import (InputHistory, ModelCache, WindowCache, concat_inputs, draft_rings, masked_put,
-                                   rollback_compressed)
+from openflash.engine.block_pool import BlockPool, EntryLayout
+from openflash.model.cache import ModelCache, draft_rings
+from openflash.model.stores import InputHistory, WindowCache, concat_inputs, masked_put, rollback_compressed
 from openflash.topology import LayerMode
-
-KV_STORAGES = ("fp32", "packed")
-_E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
-
-
-class CacheFullError(OpenflashError):
-    """The block pool reached its configured size."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Exact packing of already-QDQ'd values
-
-
-def encode_kv_exact(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode_kv_fp4 for values that are already FP4/E4M3-per-16 QDQ'd, such that decoding gives v back exactly.
-
-    The plain encoder recomputes the scale from the QDQ'd block's amax. That reproduces the original scale
-    whenever it is an E4M3 normal (the block's max then sits at code 6), but a subnormal scale (amax < 6 * 2^-6)
-    can come back one grid step smaller. The original scale is one of the few subnormal codes above the recomputed
-    one, so those blocks try the next codes until the round trip is exact.
-    """
-    packed, scales = formats.encode_kv_fp4(v)
-    blocks = v.float().unflatten(-1, (-1, 16))
-    decoded = formats.decode_kv_fp4(packed, scales).unflatten(-1, (-1, 16))
-    bad = ((decoded != blocks) & ~(decoded.isnan() & blocks.isnan())).any(-1)  # NaN blocks round-trip as NaN
-    if not bool(bad.any()):
-        return packed, scales
-    idx = bad.nonzero(as_tuple=True)
-    vb, base = blocks[idx], scales[idx].int()
-    done = torch.zeros_like(base, dtype=torch.bool)
-    for step in range(1, _E4M3_MIN_NORMAL_CODE + 1):
-        code = (base + step).clamp(max=126).to(torch.uint8)
-        s = formats.e4m3_decode(code).unsqueeze(-1)
-        q = formats.e2m1_encode((vb / s).clamp(-formats.E2M1_MAX, formats.E2M1_MAX))
-        ok = ~done & (formats.e2m1_decode(q) * s == vb).all(-1)
-        sel = tuple(i[ok] for i in idx)
-        scales[sel] = code[ok]
-        packed.unflatten(-1, (-1, 8))[sel] = formats.pack_fp4(q[ok])
-        done |= ok
-        if bool(done.all()):
-            return packed, scales
-    raise ValueError("encode_kv_exact: the input is not an FP4/E4M3-per-16 QDQ'd tensor")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The block pool
-
-
-@dataclass(frozen=True)
-class EntryLayout:
-    """What one compressed-cache entry holds: a main-KV vector and an index key."""
-
-    head_dim: int
-    index_head_dim: int
-    storage: str = "fp32"
-
-    def __post_init__(self) -> None:
-        if self.storage not in KV_STORAGES:
-            raise OpenflashError(f"kv storage must be one of {list(KV_STORAGES)}, got {self.storage!r}")
-
-    def planes(self) -> dict[str, tuple[int, torch.dtype]]:
-        """Storage planes: name -> (width, dtype)."""
-        if self.storage == "fp32":
-            return {"kv": (self.head_dim, torch.float32), "index_k": (self.index_head_dim, torch.float32)}
-        return {"kv": (self.head_dim // 2, torch.uint8), "kv_scale": (self.head_dim // 16, torch.uint8),
-                "index_k": (self.index_head_dim // 2, torch.uint8),
-                "index_scale": (self.index_head_dim // 32, torch.uint8)}
-
-    @property
-    def entry_bytes(self) -> int:
-        if self.storage == "fp32":
-            return 4 * (self.head_dim + self.index_head_dim)
-        return formats.cache_entry_bytes("main_kv", self.head_dim) + \
-            formats.cache_entry_bytes("index_k", self.index_head_dim)
-
-    def encode(self, kv: torch.Tensor, index_k: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.storage == "fp32":
-            return {"kv": kv.float(), "index_k": index_k.float()}
-        kv_packed, kv_scale = encode_kv_exact(kv.float())
-        ik_packed, ik_scale = formats.encode_index_mxfp4(index_k.float())
-        return {"kv": kv_packed, "kv_scale": kv_scale, "index_k": ik_packed, "index_scale": ik_scale}
-
-    def decode(self, planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.storage == "fp32":
-            return planes["kv"], planes["index_k"]
-        return (formats.decode_kv_fp4(planes["kv"], planes["kv_scale"]),
-                formats.decode_index_mxfp4(planes["index_k"], planes["index_scale"]))
-
-
-class BlockPool:
-    """Fixed-size blocks of compressed-cache entries, shared by all owner layers and sequences.
-
-    Block 0 is a permanent all-zero block: block tables are padded with it. Blocks are reference counted; a block
-    returns to the free list when its count drops to 0. The pool grows (doubling) when it runs out, up to
-    `max_blocks` if set.
-    """
-
-    def __init__(self, layout: EntryLayout, block_size: int = 16, initial_blocks: int = 64,
-                 max_blocks: int | None = None, device: torch.device | str = "cpu") -> None:
-        if block_size < 1:
-            raise OpenflashError(f"KV block size must be >= 1 entry, got {block_size}")
-        self.layout, self.block_size, self.max_blocks = layout, block_size, max_blocks
-        self.device = torch.device(device)
-        n = max(2, initial_blocks if max_blocks is None else min(initial_blocks, max_blocks))
-        self.planes = {name: torch.zeros(n, block_size, width, dtype=dtype, device=self.device)
-                       for name, (width, dtype) in layout.planes().items()}
-        self.refcount = torch.zeros(n, dtype=torch.int32)
-        self.refcount[0] = 1  # the zero block is never handed out
-        self.free: list[int] = list(range(n - 1, 0, -1))  # pop() hands out low ids first
-
-    # ---- accounting -------------------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return int(self.refcount.shape[0])
-
-    @property
-    def blocks_in_use(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_size * self.layout.entry_bytes
-
-    def nbytes(self) -> int:
-        """Bytes allocated for the planes (used or free)."""
-        return sum(t.numel() * t.element_size() for t in self.planes.values())
-
-    # ---- allocation ---------------------------------------------------------------------------------------
-    def _grow(self, needed: int) -> None:
-        n = self.num_blocks
-        target = max(2 * n, n + needed)
-        if self.max_blocks is not None:
-            target = min(target, self.max_blocks)
-        if target - n < needed:
-            raise CacheFullError(f"the KV block pool is full ({self.max_blocks} blocks of {self.block_size} "
-                                 f"entries); lower --max-batch / --max-context or raise the pool size")
-        for name, t in self.planes.items():
-            self.planes[name] = torch.cat((t, t.new_zeros(target - n, *t.shape[1:])))
-        self.refcount = torch.cat((self.refcount, torch.zeros(target - n, dtype=torch.int32)))
-        self.free.extend(range(target - 1, n - 1, -1))
-
-    def allocate(self, count: int) -> list[int]:
-        """`count` fresh blocks, each with reference count 1."""
-        if count > len(self.free):
-            self._grow(count - len(self.free))
-        blocks = [self.free.pop() for _ in range(count)]
-        self.refcount[blocks] = 1
-        return blocks
-
-    def incref(self, blocks: torch.Tensor) -> None:
-        blocks = blocks[blocks > 0]
-        if blocks.numel():
-            self.refcount.index_add_(0, blocks.cpu(), torch.ones(blocks.numel(), dtype=torch.int32))
-
-    def decref(self, blocks: torch.Tensor) -> None:
-        blocks = blocks[blocks > 0].cpu()
-        if not blocks.numel():
-            return
-        self.refcount.index_add_(0, blocks, torch.full((blocks.numel(),), -1, dtype=torch.int32))
-        touched = blocks.unique()
-        counts = self.refcount[touched]
-        if bool((counts < 0).any()):
-            raise RuntimeError("KV block released more often than it was referenced")
-        self.free.extend(touched[counts == 0].tolist())
-
-    def copy_block(self, src: int) -> int:
-        """A new block holding the contents of `src` (copy-on-write)."""
-        (dst,) = self.allocate(1)
-        for t in self.planes.values():
-            t[dst] = t[src]
-        return dst
-
-    # ---- data ---------------------------------------------------------------------------------------------
-    def store(self, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor) -> None:
-        for name, value in self.layout.encode(kv, index_k).items():
-            self.planes[name][blocks, offsets] = value.to(self.planes[name].dtype)
-
-    def store_where(self, keep: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor,
-                    index_k: torch.Tensor) -> None:
-        """`store` of the entries where keep [B, G] is set, the others rewritten with what they hold (a masked
-        write with no data-dependent shape: a whole-step graph's)."""
-        for name, value in self.layout.encode(kv, index_k).items():
-            plane = self.planes[name]
-            masked_put(plane, (blocks, offsets), keep, value)
-
-    def gather(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk])."""
-        B, nb = table.shape
-        planes = {name: t[table].reshape(B, nb * self.block_size, t.shape[-1]) for name, t in self.planes.items()}
-        return self.layout.decode(planes)
-
-    def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
-        """Raw plane contents of some blocks (for persisting a prefix cache)."""
-        index = torch.tensor(blocks, dtype=torch.long)
-        return {name: t[index].clone() for name, t in self.planes.items()}
-
-    def write_blocks(self, blocks: list[int], planes: dict[str, torch.Tensor]) -> None:
-        index = torch.tensor(blocks, dtype=torch.long)
-        for name, t in self.planes.items():
-            t[index] = planes[name].to(t.dtype)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # A paged compressed cache (one KV-owner layer, B rows)

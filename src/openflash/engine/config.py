@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openflash.engine.cache import KV_STORAGES
+from openflash.config import FlashConfig
+from openflash.engine.block_pool import KV_STORAGES
 from openflash.engine.prefix_cache import RESTORE_MODES
 from openflash.engine.runner import PREFILL_MODES
 from openflash.engine.scheduler import SchedulerConfig
@@ -61,6 +62,24 @@ class EngineConfig:
             raise OpenflashError(f"prefix_block_tokens {block} must divide prefill_chunk {self.prefill_chunk} in "
                                  f"snapshot mode (snapshots are taken where prefill chunks end)")
         return self
+
+    def drafts(self, cfg: FlashConfig) -> int:
+        """Drafts verified per speculative round on a model of this config (0: plain decoding); OpenflashError
+        where the model cannot speculate as configured."""
+        if self.speculative is None:
+            return 0
+        d = cfg.dspark
+        if d is None:
+            raise OpenflashError("speculative decoding with dspark needs a model with a DSpark draft head "
+                                 "(num_nextn_predict_layers > 0; `openflash train --dspark --init RUN` adds one)")
+        k = d.block_size if self.num_speculative_tokens is None else self.num_speculative_tokens
+        if not 1 <= k <= d.block_size:
+            raise OpenflashError(f"num_speculative_tokens must be in 1..{d.block_size} (the drafter's block), got {k}")
+        if self.prefill_mode == "bounded" and not cfg.dspark_bounded_ok:
+            raise OpenflashError(f"this model's DSpark target layers {list(d.target_layer_ids)} reach into the CED "
+                                 f"encoder half (layers < {cfg.topology.decoder_start}), which bounded prefill "
+                                 f"does not keep: use --prefill-mode exact with speculative decoding")
+        return k
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting)

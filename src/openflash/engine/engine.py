@@ -34,19 +34,19 @@ from tokenizers import Tokenizer
 
 from openflash.engine.cache import CacheFactory
 from openflash.engine.config import EngineConfig, model_fingerprint
+from openflash.engine.inbox import Inbox
 from openflash.engine.lockstep import KEEPALIVE_SECONDS, LockstepError, RequestSpec, StepInputs
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import PrefixCache
-from openflash.engine.request import (ABORT, ERROR, EngineStoppedError, QueueFullError, RequestOutput, Sequence,
-                                      validate_prompt)
+from openflash.engine.prompt import PromptIntake
+from openflash.engine.request import ABORT, ERROR, RequestOutput, Sequence
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
 from openflash.engine.sampling import (NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample,
                                       token_logprobs)
 from openflash.engine.scheduler import PrefillChunk, Scheduler
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.model.lora import BASE
-from openflash.model.transformer import Transformer
-from openflash.vision.prompt import PromptImage, check_spans
+from openflash.vision.prompt import PromptImage
 
 log = logging.getLogger("openflash.engine")
 
@@ -113,9 +113,10 @@ class LLMEngine:
             raise OpenflashError(f"kv_storage 'packed' stores the trained cache formats, which needs numerics with "
                                  f"cache QDQ; the model runs {model.numerics.name!r}")
         self.runtime, self.model, self.tokenizer = runtime, model, runtime.tokenizer
+        self.prompt_intake = PromptIntake.of(model.cfg, runtime.tokenizer, config.max_context)  # engine/prompt.py
         self._runtime_stats = runtime.stats()  # snapshot for other threads (memory and store are single-threaded)
         self.cfg = model.cfg
-        drafts = self._drafts(model, config)
+        drafts = config.drafts(model.cfg)
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
         self.runner = ModelRunner(runtime, self.factory, config.prefill_mode, config.engram_speculate, drafts,
@@ -133,41 +134,18 @@ class LLMEngine:
             if config.prefix_cache_dir:
                 n = self.prefix_cache.load(config.prefix_cache_dir)
                 log.info("prefix cache: loaded %d entries from %s", n, config.prefix_cache_dir)
-        self._lock = threading.Condition()
-        self._inbox: list[Sequence] = []
-        self._aborts: list[str] = []
-        self._accepting = True
-        self._abort_all = False  # shutdown: cancel everything still running
-        self._stop = False
+        self.inbox = Inbox(config.max_waiting)  # requests and aborts from other threads, until the next step
         self._thread: threading.Thread | None = None
         self._removals: list[str] = []
         self.lockstep = lockstep
         self._follower_output: Callable[[RequestOutput], None] | None = None  # follow(on_output)
 
-    @staticmethod
-    def _drafts(model: Transformer, config: EngineConfig) -> int:
-        """Drafts verified per speculative round (0: plain decoding)."""
-        if config.speculative is None:
-            return 0
-        d = model.cfg.dspark
-        if d is None:
-            raise OpenflashError("speculative decoding with dspark needs a model with a DSpark draft head "
-                                 "(num_nextn_predict_layers > 0; `openflash train --dspark --init RUN` adds one)")
-        k = d.block_size if config.num_speculative_tokens is None else config.num_speculative_tokens
-        if not 1 <= k <= d.block_size:
-            raise OpenflashError(f"num_speculative_tokens must be in 1..{d.block_size} (the drafter's block), got {k}")
-        if config.prefill_mode == "bounded" and not model.cfg.dspark_bounded_ok:
-            raise OpenflashError(f"this model's DSpark target layers {list(d.target_layer_ids)} reach into the CED "
-                                 f"encoder half (layers < {model.cfg.topology.decoder_start}), which bounded prefill "
-                                 f"does not keep: use --prefill-mode exact with speculative decoding")
-        return k
-
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False,
                     images: Sequence_[PromptImage] = (), adapter: str | None = None) -> Sequence:
-        """Queue a request; raises OpenflashError (PromptTooLongError, MaxTokensError, QueueFullError,
-        EngineStoppedError) if it cannot be served. Outputs go to on_output (on the engine thread).
+        """Queue a request; raises OpenflashError (PromptError, QueueFullError, EngineStoppedError) if it cannot be
+        served. Outputs go to on_output (on the engine thread).
 
         images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them), at positions
         holding the image token id. adapter: the served LoRA adapter to run with (None: the base model)."""
@@ -176,16 +154,9 @@ class LLMEngine:
             raise RequestError("logprobs are not kept under speculative decoding (its accepted tokens are drawn by "
                                "rejection sampling, not from one distribution each)", param="logprobs")
         slot = self.runtime.adapter_slot(adapter)
-        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
-        validate_prompt(ids, params, self.cfg.vocab_size, self.config.max_context)
-        if images:
-            if self.cfg.vision is None:
-                raise RequestError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes "
-                                   "no images", param="images")
-            try:
-                check_spans(ids, images, self.cfg.image_token_id)
-            except ValueError as exc:
-                raise RequestError(str(exc), param="images") from None
+        ids = self.prompt_intake.encode(prompt)
+        self.prompt_intake.check_budget(ids, params.max_tokens)
+        self.prompt_intake.check_images(ids, images)
         if self.lockstep is not None:
             if not self.lockstep.leader:
                 raise RuntimeError("a follower engine takes its requests from the leader, not add_request")
@@ -193,13 +164,7 @@ class LLMEngine:
                 params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         seq = self._sequence(RequestSpec(request_id or uuid.uuid4().hex, ids, params,
                                          None if ignore_eos else self.cfg.eos_token_id, list(images), slot), on_output)
-        with self._lock:
-            if not self._accepting:
-                raise EngineStoppedError("the server is shutting down and takes no new requests")
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
-                raise QueueFullError(f"the request queue is full ({self.config.max_waiting} waiting); retry later")
-            self._inbox.append(seq)
-            self._lock.notify()
+        self.inbox.put(seq, len(self.scheduler.waiting))
         return seq
 
     def _sequence(self, spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
@@ -210,9 +175,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its state is freed at the start of the next step."""
-        with self._lock:
-            self._aborts.append(request_id)
-            self._lock.notify()
+        self.inbox.abort(request_id)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -222,15 +185,14 @@ class LLMEngine:
     @property
     def accepting(self) -> bool:
         """False once shutdown began."""
-        return self._accepting
+        return self.inbox.accepting
 
     def problem(self) -> str | None:
         """Why requests would fail now (an Engram tier that cannot be read), or None; for a server's /health."""
         return self.runtime.problem()
 
     def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._inbox or self._aborts) or self.scheduler.has_work
+        return self.inbox.pending() or self.scheduler.has_work
 
     # ---- one step (engine thread) -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -240,22 +202,20 @@ class LLMEngine:
         if not self._intake(outputs):
             return []
         plan = self.scheduler.schedule()
-        self._prefill(plan.prefills, outputs)
+        self._prefill(plan.prefill_waves(), outputs)
         self._decode([s for s in plan.decodes if not s.finished], outputs)
         return self._end_step(start, outputs)
 
     def _intake(self, outputs: Outputs) -> bool:
         """New requests into the waiting queue and aborts done (with expert parallelism, the leader's: followers
         take its arrivals); False when the leader stopped the group."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        abort_all = self._abort_all
+        inbox, aborts = self.inbox.take()
+        abort_all = self.inbox.abort_all
         self.scheduler.waiting.extend(inbox)  # capacity was checked in add_request
         if self.lockstep is not None:
             shared = self.lockstep.intake(inbox, aborts, abort_all)
             if shared.stop:
-                self._stop = True
+                self.inbox.stop()
                 return False
             if not self.lockstep.leader:
                 self.scheduler.waiting.extend(self._sequence(r, self._follower_output) for r in shared.arrivals)
@@ -268,9 +228,10 @@ class LLMEngine:
                 outputs.append((seq, self._finish(seq, ABORT)))
         return True
 
-    def _prefill(self, chunks: list[PrefillChunk], outputs: Outputs) -> None:
-        """The scheduled prompt chunks, packed into waves; a last chunk samples its sequence's first token."""
-        for wave in _waves(chunks):
+    def _prefill(self, waves: list[list[PrefillChunk]], outputs: Outputs) -> None:
+        """The scheduled prompt chunks, wave by wave (StepPlan.prefill_waves); a last chunk samples its sequence's
+        first token."""
+        for wave in waves:
             wave = [c for c in wave if not c.seq.finished]
             results = self.runner.prefill_many([ChunkTask(c.seq, c.start, c.end) for c in wave])
             for chunk, result in zip(wave, results):
@@ -426,28 +387,21 @@ class LLMEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._stop = False
+        self.inbox.stop(False)
         self._thread = threading.Thread(target=self._loop, name="openflash-engine", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            idle_since = time.monotonic()
-            with self._lock:
-                while not (self._stop or self._inbox or self._aborts or self.scheduler.has_work):
-                    self._lock.wait(timeout=1.0)
-                    if self.lockstep is not None and time.monotonic() - idle_since > KEEPALIVE_SECONDS:
-                        break  # an empty step, so that the followers' wait does not time out
-                if self._stop:
-                    return
+            keepalive = KEEPALIVE_SECONDS if self.lockstep is not None else None  # followers wait on each step
+            if not self.inbox.wait(lambda: self.scheduler.has_work, keepalive):
+                return
             try:
                 self._step_or_fail()
             except LockstepError:  # the group is gone: fail what is in flight, take nothing new
                 log.exception("engine loop stopped")
-                with self._lock:
-                    self._accepting = False
-                    self.scheduler.waiting.extend(self._inbox)
-                    self._inbox = []
+                self.inbox.close()
+                self.scheduler.waiting.extend(self.inbox.take()[0])
                 self._fail_in_flight(LockstepError("the expert-parallel group stopped"), "the group's step")
                 return
 
@@ -476,7 +430,7 @@ class LLMEngine:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            while not self._stop:
+            while not self.inbox.stopped:
                 self._step_or_fail()
         finally:
             if main:
@@ -485,26 +439,21 @@ class LLMEngine:
     def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish for up to drain_timeout seconds, abort the rest, stop the
         loop, and persist the prefix cache if configured."""
-        with self._lock:
-            self._accepting = False
+        self.inbox.close()
         deadline = time.monotonic() + drain_timeout
         while self.has_work() and time.monotonic() < deadline:
             if self._thread is None:
                 self.step()
             else:
                 time.sleep(0.02)
-        with self._lock:
-            self._abort_all = True
-            self._lock.notify_all()
+        self.inbox.cancel_all()
         if self._thread is None:
             while self.has_work():
                 self.step()
         else:
             while self.has_work() and self._thread.is_alive():
                 time.sleep(0.01)
-            with self._lock:
-                self._stop = True
-                self._lock.notify_all()
+            self.inbox.stop()
             self._thread.join(timeout=30)
             self._thread = None
         if self.lockstep is not None and self.lockstep.leader:
@@ -520,7 +469,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         pool = self.factory.pool
         out: dict[str, Any] = {
-            "waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "waiting": len(self.scheduler.waiting) + len(self.inbox),
             "prefilling": len(self.scheduler.prefilling),
             "running": len(self.scheduler.running),
             "kv_blocks_in_use": pool.blocks_in_use,
@@ -537,16 +486,3 @@ class LLMEngine:
             "config": asdict(self.config),
         }
         return out
-
-
-def _waves(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-    """Group a step's chunks so that each sequence's chunks run in order: wave k holds every sequence's k-th."""
-    waves: list[list[PrefillChunk]] = []
-    seen: dict[str, int] = {}
-    for chunk in chunks:
-        k = seen.get(chunk.seq.request_id, 0)
-        seen[chunk.seq.request_id] = k + 1
-        if k == len(waves):
-            waves.append([])
-        waves[k].append(chunk)
-    return waves

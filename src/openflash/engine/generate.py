@@ -12,11 +12,12 @@ from typing import Sequence
 
 import torch
 
+from openflash.engine.prompt import PromptIntake
 from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
 from openflash.runtime import Runtime
 from openflash.vision.preprocess import ImageSource
-from openflash.vision.prompt import EncodedImages, PromptImage, check_spans, text_prompt
+from openflash.vision.prompt import EncodedImages, PromptImage, text_prompt
 
 
 @dataclass
@@ -46,24 +47,13 @@ def generate(runtime: Runtime, prompt: str | list[int], params: SamplingParams, 
     params.validate()
     slots = [runtime.adapter_slot(adapter)]
     model, tokenizer = runtime.model, runtime.tokenizer
-    placed: list[PromptImage] = []
+    intake = PromptIntake.of(model.cfg, tokenizer, max_context=None)
     if isinstance(prompt, str) and images:
         ids, placed = text_prompt(tokenizer, prompt, list(images), model.cfg)
+        intake.check_ids(ids)
     else:
-        ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
-        placed = list(images)
-        if not all(isinstance(p, PromptImage) for p in placed):
-            raise OpenflashError("with a token-id prompt, images must be PromptImage spans (vision/prompt.py)")
-        if placed:
-            try:
-                check_spans(ids, placed, model.cfg.image_token_id)
-            except ValueError as exc:
-                raise OpenflashError(str(exc)) from None
-    if not ids:
-        raise OpenflashError("the prompt is empty after tokenization")
-    if max(ids) >= model.cfg.vocab_size:
-        raise OpenflashError(f"prompt token id {max(ids)} is outside the model's vocabulary ({model.cfg.vocab_size}): "
-                             f"wrong tokenizer for this model?")
+        ids, placed = intake.encode(prompt), list(images)
+    intake.check_images(ids, placed)
     device = model.device
     cache = runtime.new_cache(1)
     state = SamplerState.create(params)

@@ -16,18 +16,10 @@ from typing import Callable
 import torch
 
 from openflash.engine.sampling import SamplerState, SamplingParams, find_stop
-from openflash.errors import OpenflashError, RequestError
+from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
 from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage, key_ids
-
-
-class PromptTooLongError(RequestError):
-    """The prompt (plus the tokens asked for) does not fit in the context."""
-
-
-class MaxTokensError(RequestError):
-    """max_tokens does not fit in the context left after the prompt."""
 
 
 class QueueFullError(OpenflashError):
@@ -158,23 +150,3 @@ class Sequence:
         self.sent = max(self.sent, final)
         return RequestOutput(self.request_id, token_ids, new, self.finished, self.finish_reason, self.prompt_len,
                              len(self.output_ids), self.num_cached, self.error, self.unavailable)
-
-
-def validate_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_context: int) -> None:
-    """Raise RequestError (PromptTooLongError, MaxTokensError for lengths) if the request cannot run."""
-    if not prompt_ids:
-        raise RequestError("the prompt is empty after tokenization")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}): "
-                           f"wrong tokenizer for this model?")
-    if len(prompt_ids) >= max_context:
-        raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_context} "
-                                 f"(prompt plus at least one generated token)")
-    if len(prompt_ids) + params.max_tokens > max_context:
-        raise MaxTokensError(f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
-                             f"exceeds the context of {max_context} tokens", param="max_tokens")
-
-
-def tokens_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([ids], dtype=torch.long, device=device)

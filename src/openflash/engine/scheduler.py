@@ -60,6 +60,18 @@ class StepPlan:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
+    def prefill_waves(self) -> list[list[PrefillChunk]]:
+        """The prompt chunks grouped so that each sequence's run in order: wave k holds every sequence's k-th."""
+        waves: list[list[PrefillChunk]] = []
+        seen: dict[str, int] = {}
+        for chunk in self.prefills:
+            k = seen.get(chunk.seq.request_id, 0)
+            seen[chunk.seq.request_id] = k + 1
+            if k == len(waves):
+                waves.append([])
+            waves[k].append(chunk)
+        return waves
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, admit: Callable[[Sequence], bool]) -> None:

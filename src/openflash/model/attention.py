@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openflash.config import FlashConfig
-from openflash.model.cache import CompressedCache
+from openflash.model.stores import CompressedCache
 from openflash.model.compiled import compiled, matmul_unshared
 from openflash.model.context import CompressedView, StepContext, real_tokens
 from openflash.model.indexer import Indexer, visible_entries

@@ -37,13 +37,13 @@ from tokenizers import Tokenizer
 
 from openflash.chat.conversation import IMAGE_MARK, ChatOptions, Forcing
 from openflash.engine.engine import LLMEngine
-from openflash.engine.request import (ERROR, EngineStoppedError, MaxTokensError, PromptTooLongError, QueueFullError,
-                                      RequestOutput)
+from openflash.engine.prompt import PromptError
+from openflash.engine.request import ERROR, EngineStoppedError, QueueFullError, RequestOutput
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import RequestError
 from openflash.serve import metrics as prom
 from openflash.serve.chat import ChatFormat, ChatReply, chat_options, conversation
-from openflash.serve.errors import APIError, engine_failure, field_error, http_error, validation_error
+from openflash.serve.errors import APIError, engine_failure, field_error, http_error, prompt_error, validation_error
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip
 from openflash.serve.images import ImagePolicy, image_bytes
 from openflash.serve.jobs import Choice, Job
@@ -51,7 +51,6 @@ from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletio
                                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
                                       DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                       TokenizeRequest, TokenizeResponse)
-from openflash.tokenizer import max_chars_per_token
 from openflash.vision.preprocess import PreparedImage, prepare_image
 from openflash.vision.prompt import PromptImage, assemble
 
@@ -91,8 +90,8 @@ class OpenflashServer:
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.max_context = engine.config.max_context
-        self.max_token_chars = max_chars_per_token(tokenizer)
-        if self.max_token_chars is None:
+        self.intake = engine.prompt_intake  # the engine's intake: its checks, before the engine sees the request
+        if self.intake.max_token_chars is None:
             log.warning("this tokenizer's normalizer or pre-tokenizer drops characters: prompts are tokenized in "
                         "full before their length is checked")
 
@@ -131,26 +130,17 @@ class OpenflashServer:
             raise field_error(422, exc, body) from None
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.cfg.vocab_size
-        if not ids:
-            raise APIError(400, f"{param} is empty after tokenization", param=param, code="empty_prompt")
-        if len(ids) >= self.max_context:
-            raise APIError(413, f"the prompt has {len(ids)} tokens but the context holds {self.max_context} "
-                                f"(prompt plus at least one generated token)", param=param,
-                           code="context_length_exceeded")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {clip(bad)} is outside the model's vocabulary (0..{vocab - 1})",
-                           param=param, code="invalid_token")
+        try:
+            self.intake.check_ids(ids, param)
+        except PromptError as exc:
+            raise prompt_error(exc) from None
 
     def submit(self, job: Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
                **chat: Any) -> None:
         try:
             job.submit(ids, params, body.ignore_eos, prefix, **chat)
-        except PromptTooLongError as exc:
-            raise APIError(413, str(exc), param=param, code="context_length_exceeded") from None
-        except MaxTokensError as exc:
-            raise field_error(422, exc, body) from None
+        except PromptError as exc:
+            raise prompt_error(exc, body) from None
         except QueueFullError as exc:
             raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
         except EngineStoppedError as exc:
@@ -161,13 +151,11 @@ class OpenflashServer:
             raise APIError(400, str(exc), param=param) from None
 
     def check_length(self, text: str, param: str) -> None:
-        """413 for a text too long for the context, before it is tokenized: it has at least len / max_token_chars
-        tokens (tokenizer.max_chars_per_token), so a 30 MB prompt costs no tokenizer time or memory."""
-        least = len(text) // self.max_token_chars if self.max_token_chars is not None else 0
-        if least >= self.max_context:
-            raise APIError(413, f"the prompt has {len(text)} characters, so at least {least} tokens, but the context "
-                                f"holds {self.max_context} (prompt plus at least one generated token)", param=param,
-                           code="context_length_exceeded")
+        """413 for a text too long for the context, before it is tokenized (PromptIntake.check_text)."""
+        try:
+            self.intake.check_text(text, param)
+        except PromptError as exc:
+            raise prompt_error(exc) from None
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of `text` (413 first if it cannot fit the context). Called in a worker thread (see `off_loop`);

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from openflash.engine.prompt import INVALID_IMAGES, MAX_TOKENS, TOO_LONG, PromptError
 from openflash.errors import RequestError
 from openflash.serve.guards import safe_text
 from openflash.serve.protocol import LONE_SURROGATE, TOO_DEEP, ErrorInfo, ErrorResponse
@@ -29,6 +30,16 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def prompt_error(exc: PromptError, body: Any = None) -> APIError:
+    """A prompt the intake refused (engine/prompt.py): 413 when it cannot fit the context, 422 for a max_tokens
+    that cannot (named as the request named it), 400 otherwise; the intake's code, as vLLM's clients expect."""
+    if exc.code == MAX_TOKENS:
+        return field_error(422, exc, body) if body is not None else APIError(422, str(exc), param=exc.param,
+                                                                                code="invalid_value")
+    code = "invalid_value" if exc.code == INVALID_IMAGES else exc.code
+    return APIError(413 if exc.code == TOO_LONG else 400, str(exc), param=exc.param, code=code)
 
 
 def engine_failure(error: str | None, unavailable: bool) -> APIError:

@@ -32,7 +32,8 @@ from openflash.errors import OpenflashError
 from openflash.files.run_dir import ARGS_FILE
 from openflash.memory.tokenmap import find_token_map_file
 from openflash.model import dspark
-from openflash.model.cache import ModelCache, WindowCache
+from openflash.model.cache import ModelCache
+from openflash.model.stores import WindowCache
 from openflash.model.context import StepContext
 from openflash.model.transformer import Transformer
 from openflash.placement import Placement
