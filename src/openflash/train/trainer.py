@@ -35,35 +35,35 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from tqdm import tqdm
 
-from openflash.checkpoint import build_model, save_checkpoint
-from openflash.config import load_config
+from openflash.config import FlashConfig
 from openflash.errors import OpenflashError
 from openflash.files.manifest import verify_manifest, write_manifest
-from openflash.files.peft import read_adapter, read_engram_rows, write_adapter, write_engram_rows
-from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_checkpoint_weights, read_trainer_state
+from openflash.files.run_dir import CHECKPOINTS_DIR, STATE_FILE, RunFolder, read_trainer_state
 from openflash.memory.frontend import EngramFrontend
-from openflash.memory.tokenmap import TokenMap, find_token_map_file
+from openflash.memory.tokenmap import TokenMap
 from openflash.model.compiled import check_toolchain
+from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
-from openflash.model.lora import adapter_weights, lora_alpha
 from openflash.model.numerics import TRAIN
+from openflash.model.transformer import Transformer
 from openflash.placement import resolve_device
 from openflash.runtime import Runtime
 from openflash.tokenizer import load_tokenizer
 from openflash.train.config import RESUME_FIXED, TrainConfig, training_model_config
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
 from openflash.train.distributed import DistContext, all_reduce_grads, collective_device
-from openflash.train.finetune import fine_tune_base, init_model, load_adapter_weights, lora_model
+from openflash.train.finetune import fine_tune_base
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
-from openflash.train.sharded import full_optimizer_state, full_tensors, load_full_optimizer_state, shard_lora_model
+from openflash.train.sharded import full_optimizer_state, load_full_optimizer_state
 from openflash.train.threads import ThreadTuner
+from openflash.train.tuning import Built, RunModel, tuning_for
 
 # A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
 # far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
@@ -84,6 +84,35 @@ class FitResult:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The trainer
+
+
+class Tuning(Protocol):
+    """What is trained and how it is saved (train/tuning.py: FullTuning, LoRATuning); the trainer holds one and asks
+    it, never which one it is."""
+
+    updates_router_bias: bool  # the router's load-balancing bias trains (a frozen base keeps its own)
+
+    def resumed_config(self, checkpoint: Path) -> FlashConfig | None:
+        """The model config a resumed run rebuilds from, or None when the model comes from --init again."""
+
+    def build(self, run: RunModel) -> Built:
+        """The run's model (and what came with it)."""
+
+    def distribute(self, model: Transformer, ctx: DistContext, resume_from: Path | None,
+                   trained_rows: dict[str, TrainedRows]) -> bool:
+        """The ranks' models made equal; True when the model is now sharded over them."""
+
+    def gather(self, model: Transformer, sharded: bool) -> dict[str, torch.Tensor]:
+        """What a checkpoint saves beside the model's own state, gathered whole (on every rank)."""
+
+    def write(self, folder: Path, model: Transformer, gathered: dict[str, torch.Tensor],
+              trained_rows: dict[str, TrainedRows], tokenizer_path: Path) -> None:
+        """A checkpoint's weights into `folder` (rank 0)."""
+
+    def load(self, checkpoint: Path, model: Transformer, trained_rows: dict[str, TrainedRows], sharded: bool) -> None:
+        """A checkpoint's weights back into the run's model."""
+
+
 
 
 class Trainer:
@@ -115,10 +144,10 @@ class Trainer:
                     verify_manifest(self.resume_from)
                 except OpenflashError as exc:
                     raise OpenflashError(f"--resume: {exc} (--no-verify resumes anyway)") from None
-            if cfg.lora is None:  # (a LoRA run's model is its --init, read again below)
-                self.model_cfg = load_config(self.resume_from)
-        elif cfg.init is None:
-            self.model_cfg = training_model_config(cfg.config, self.tokenizer_path)
+        self.base = fine_tune_base(cfg, self.resume_from) if cfg.init is not None else None  # None: a preset
+        self.tuning: Tuning = tuning_for(cfg, self.base)
+        model_cfg = self.tuning.resumed_config(self.resume_from) if self.resume_from is not None else \
+            training_model_config(cfg.config, self.tokenizer_path) if cfg.init is None else None
 
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
@@ -128,42 +157,22 @@ class Trainer:
         if cfg.compile:
             check_toolchain(self.device)
         numerics = TRAIN.with_compile(cfg.compile)
+        init = self.base["path"] if self.base is not None else cfg.init
+        built = self.tuning.build(RunModel(init, model_cfg, self.train_data, numerics, self.device, self.resume_from))
+        self.model, self.model_cfg = built.model, built.model.cfg
         # A fine-tuning run keeps its checkpoint's Engram addressing: the token map it carries (copied into every
         # checkpoint of the run, so a resume reads it back), else its tokenizer's.
-        self.token_map_file = find_token_map_file(self.resume_from) if self.resume_from is not None else None
-        frontend, runtime = None, None
-        self.base = fine_tune_base(cfg, self.resume_from) if cfg.init is not None else None  # None: a preset
-        init = self.base["path"] if self.base is not None else cfg.init
-        if cfg.lora is not None:  # the base is read on every start (the one it began on); checkpoints hold adapters
-            runtime = lora_model(init, self.train_data, cfg.lora, cfg.lora_alpha, cfg.lora_targets,
-                                 cfg.train_engram, self.device)
-            self.model, self.model_cfg, self.token_map_file = runtime.model, runtime.cfg, None
-        elif cfg.init is not None and self.resume_from is None:
-            self.model, frontend, init_folder = init_model(init, self.train_data, numerics, self.device)
-            self.model_cfg = self.model.cfg
-            self.token_map_file = find_token_map_file(init_folder) if init_folder is not None else None
-        else:
-            self.model = build_model(self.model_cfg, numerics, device=self.device)
+        self.token_map_file, frontend = built.token_map_file, built.frontend
         if frontend is None and self.token_map_file is not None:
             frontend = EngramFrontend.from_token_map(self.model_cfg, TokenMap.from_file(self.token_map_file,
                                                                                          self.model_cfg))
         self.model.train()
         self.model.checkpoint_blocks = cfg.checkpoint_activations
-        # LoRA under torchrun: the base and the adapters sharded over the ranks (FSDP2, train/sharded.py), which
-        # also averages the gradients; the fresh adapters are made equal first (every rank read the same base).
-        self.sharded = cfg.lora is not None and self.ctx.enabled
         self.trained_rows = {n: m.trained for n, m in self.model.named_modules()
                              if isinstance(m, DeviceTable) and m.trained is not None}
-        if self.sharded:
-            if self.trained_rows:
-                raise OpenflashError("--train-engram runs in one process: each rank would train other rows")
-            if self.resume_from is not None:  # into the whole adapters, before they are sharded
-                load_adapter_weights(self.model, read_adapter(self.resume_from), self.resume_from)
-            else:
-                self.ctx.broadcast_([p for p in self.model.parameters() if p.requires_grad])
-            shard_lora_model(self.model, self.ctx)
+        self.sharded = self.tuning.distribute(self.model, self.ctx, self.resume_from, self.trained_rows)
         # The model's own tables, addressed through the data's tokenizer (or the map above); gathered in autograd.
-        self.runtime = runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
+        self.runtime = built.runtime or Runtime.of(self.model, load_tokenizer(self.tokenizer_path), frontend=frontend)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.indexer_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_indexer_param(n)]
         if cfg.indexer_warmup and not self.indexer_params:
@@ -189,8 +198,6 @@ class Trainer:
         self._save_seconds = 0.0
         if self.resume_from is not None:
             self._load(self.resume_from)
-        elif not self.sharded:
-            self.ctx.broadcast_module_(self.model)
 
     # ---- public ---------------------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -306,7 +313,7 @@ class Trainer:
             rows.adam_step(cfg.lr * cfg.engram_lr_mult * multiplier)
 
         loads = ctx.all_reduce_sum_(expert_loads(model))
-        if not indexer_stage and cfg.lora is None:  # LoRA: the base, router bias included, stays frozen
+        if not indexer_stage and self.tuning.updates_router_bias:
             update_router_bias(model, loads, cfg.bias_update_rate)
         reset_expert_loads(model)
 
@@ -429,20 +436,11 @@ class Trainer:
             return final
         t0 = time.monotonic()
 
-        adapters = adapter_weights(self.model) if self.cfg.lora is not None else {}
-        if self.sharded:
-            adapters = full_tensors(adapters)  # every rank takes part in gathering them (and the optimizer state)
+        gathered = self.tuning.gather(self.model, self.sharded)  # every rank takes part (and in the optimizer state)
         trainer_state = self.state_dict()
 
         def write(folder: Path) -> None:
-            if self.cfg.lora is not None:
-                write_adapter(folder, adapters, self.cfg.lora, lora_alpha(self.cfg.lora, self.cfg.lora_alpha),
-                              self.cfg.init, self.base)
-                if self.trained_rows:
-                    write_engram_rows(folder, {n: r.state_dict() for n, r in self.trained_rows.items()})
-                shutil.copy(self.tokenizer_path, folder / "tokenizer.json")
-            else:
-                save_checkpoint(self.model, folder, dtype="fp32", tokenizer_json=self.tokenizer_path)
+            self.tuning.write(folder, self.model, gathered, self.trained_rows, self.tokenizer_path)
             if self.token_map_file is not None:
                 shutil.copy(self.token_map_file, folder / self.token_map_file.name)
             torch.save(trainer_state, folder / STATE_FILE)
@@ -457,17 +455,7 @@ class Trainer:
 
     def _load(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
-        if self.cfg.lora is not None:
-            if not self.sharded:  # (a sharded run loaded them before sharding)
-                load_adapter_weights(self.model, read_adapter(checkpoint), checkpoint)
-            saved = read_engram_rows(checkpoint)
-            if set(saved) != set(self.trained_rows):
-                raise OpenflashError(f"{checkpoint}: trained Engram rows of {sorted(saved)}, this run trains "
-                                     f"{sorted(self.trained_rows)}")
-            for name, rows in saved.items():
-                self.trained_rows[name].load_state_dict(rows)
-        else:
-            self.model.load_state_dict(read_checkpoint_weights(checkpoint, self.model.state_dict()))
+        self.tuning.load(checkpoint, self.model, self.trained_rows, self.sharded)
         try:
             self.optimizer.load_state_dict(state["optimizer"], partial(load_full_optimizer_state, self.model)
                                            if self.sharded else None)
