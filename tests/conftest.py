@@ -74,3 +74,17 @@ def wait_for_health(url: str, proc: subprocess.Popen, seconds: float) -> None:
             pass
         assert proc.poll() is None and time.monotonic() < deadline, f"the server at {url} did not come up"
         time.sleep(0.2)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal fp32 tensors bit for bit (where the code guarantees it: rows copied or decoded, never summed)."""
+    return a.dtype == b.dtype == torch.float32 and a.shape == b.shape and torch.equal(a.view(torch.int32),
+                                                                                       b.view(torch.int32))
+
+
+def random_ids(shape: tuple[int, ...], rows: int, seed: int = 1) -> torch.Tensor:
+    """Row ids of a table of `rows` rows, with plenty of repeats (every third the first)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, shape, generator=g, dtype=torch.int64)
+    ids.view(-1)[::3] = ids.view(-1)[0]
+    return ids

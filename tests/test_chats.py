@@ -4,11 +4,11 @@ on the replies only, checked token by token; bad lines named; a fine-tuning run 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from chat_data import chats, write_jsonl
 
 from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions
@@ -16,32 +16,6 @@ from openflash.errors import OpenflashError
 from openflash.tokenizer import load_tokenizer
 from openflash.train.chats import parse_conversation, prepare_chats
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
-
-TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find a value.",
-                                         "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}
-
-
-def chats(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        out.append({"messages": [{"role": "system", "content": "You answer in one line."},
-                                 {"role": "user", "content": f"What is {i} plus {i}?"},
-                                 {"role": "assistant", "content": f"ANSWER: {2 * i}"},
-                                 {"role": "user", "content": "And times two?"},
-                                 {"role": "assistant", "content": f"ANSWER: {4 * i}"}]})
-    out.append({"tools": [TOOL], "messages": [
-        {"role": "user", "content": "Look up x."},
-        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"key\": \"x\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "x = 1"},
-        {"role": "assistant", "content": "x is 1."}]})
-    return out
-
-
-def _write(path: Path, records: list) -> Path:
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return path
-
 
 @pytest.mark.parametrize("tokenizer", ["deepseek", "trained"])
 def test_the_mask_covers_exactly_each_reply_after_the_prompt_the_server_sends(tmp_path, tokenizer):
@@ -55,7 +29,7 @@ def test_the_mask_covers_exactly_each_reply_after_the_prompt_the_server_sends(tm
         tokenizer = str(tmp_path / "tok.json")
     records = chats(6)
     data = tmp_path / "data"
-    manifest = prepare_chats([_write(tmp_path / "chats.jsonl", records)], tokenizer, data, val_fraction=0.0)
+    manifest = prepare_chats([write_jsonl(tmp_path / "chats.jsonl", records)], tokenizer, data, val_fraction=0.0)
     tok = load_tokenizer(data / "tokenizer.json")
     fmt = chat_format(tok, 0, 1, "auto")
     assert manifest.loss_mask and manifest.chat_template == fmt.name == ("simple" if "tok.json" in tokenizer
@@ -106,7 +80,7 @@ def test_bad_lines_are_refused_naming_file_line_and_field(tmp_path):
         assert not (tmp_path / f"out{k}").exists()  # nothing half-written
     (tmp_path / "taken").mkdir()
     with pytest.raises(OpenflashError, match="taken already exists; chat data is written to a new folder"):
-        prepare_chats([_write(tmp_path / "ok.jsonl", [good])], "deepseek", tmp_path / "taken")
+        prepare_chats([write_jsonl(tmp_path / "ok.jsonl", [good])], "deepseek", tmp_path / "taken")
 
 
 def test_fine_tuning_on_chats_lowers_the_reply_loss(tmp_path):
@@ -117,7 +91,7 @@ def test_fine_tuning_on_chats_lowers_the_reply_loss(tmp_path):
     from openflash.train.tokenizer import train_bpe_tokenizer
     from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 
-    src = _write(tmp_path / "chats.jsonl", chats(60))
+    src = write_jsonl(tmp_path / "chats.jsonl", chats(60))
     tok_path = train_bpe_tokenizer([src], 400, tmp_path / "tok.json") and tmp_path / "tok.json"
     torch.manual_seed(0)  # a checkpoint of the tiny architecture on this tokenizer, to fine-tune
     save_checkpoint(build_model(training_model_config("tiny", tok_path)), tmp_path / "base", tokenizer_json=tok_path)

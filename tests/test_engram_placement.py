@@ -344,7 +344,7 @@ def test_table_truncated_while_in_use_fails_the_step_not_the_process(base, refer
 def test_a_server_over_a_truncated_table_answers_503_without_paths(base, table_dir, tmp_path, caplog):
     """Clients get a 503 that names no server file (the log does), /health says degraded until the file is whole."""
     import httpx
-    from test_server import LiveServer
+    from live_server import LiveServer
 
     from openflash.chat import chat_format
     from openflash.engine.engine import EngineConfig, LLMEngine

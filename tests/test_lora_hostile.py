@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from starlette.testclient import TestClient
-from test_chats import _write, chats
+from chat_data import chats, write_jsonl
 
 from openflash.chat import chat_format
 from openflash.checkpoint import build_model, open_model, save_checkpoint
@@ -234,7 +234,7 @@ def test_lora_merge_writes_a_checkpoint_not_a_run_step(base, tmp_path, capsys):
 
 
 def _data(base: Path, tmp: Path) -> Path:
-    src = _write(tmp / "chats.jsonl", chats(30))
+    src = write_jsonl(tmp / "chats.jsonl", chats(30))
     assert cli_main(["data", "prepare", str(src), "--chats", "--tokenizer", str(base / "tok.json"), "--out",
                      str(tmp / "data"), "--val-fraction", "0.1"]) == 0
     return tmp / "data"

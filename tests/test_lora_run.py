@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from starlette.testclient import TestClient
-from test_chats import _write, chats
+from chat_data import chats, write_jsonl
 
 from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions
@@ -40,7 +40,7 @@ QUESTION = [{"role": "system", "content": "You answer in one line."},
 def tuned(tmp_path_factory):
     """(folder, trainer): a tiny FP8/FP4 checkpoint and a 30-step rank-8 LoRA run on 200 chats."""
     tmp = tmp_path_factory.mktemp("lora")
-    src = _write(tmp / "chats.jsonl", chats(200))
+    src = write_jsonl(tmp / "chats.jsonl", chats(200))
     tok = tmp / "tok.json"
     train_bpe_tokenizer([src], 400, tok)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, driven live on 127.0.0.1 with the official `openai` client.
 
-The tiny preset (random weights, "plain" numerics for exact equality) with a 1024-token BPE tokenizer trained on
-a few stdlib files here, so that text prompts and chat messages map to ids the model has.
+The tiny preset (random weights, "plain" numerics for exact equality) with a BPE tokenizer trained here: the `stack`
+fixture of tests/live_server.py, which the other server tests share.
 """
 
 from __future__ import annotations
@@ -13,124 +13,33 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 from conftest import wait_for_health
+from live_server import (MAX_CONTEXT, NAME, LiveServer, error_of, free_port, idle, make_app, reference,  # noqa: F401
+                         stack)
 from starlette.testclient import TestClient
 
 from openflash.chat import chat_format
-from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
-from openflash.memory.tokenmap import build_compressed_token_map
-from openflash.model.numerics import NUMERICS
-from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
 from openflash.serve.app import ServerConfig, build_app
-from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
-
-CORPUS = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "bisect.py")
-MAX_CONTEXT = 256
-NAME = "tiny-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn on a free port in a background thread."""
-
-    def __init__(self, app, graceful: float = 5.0) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=graceful))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server")
-    old_cache = os.environ.get("OPENFLASH_CACHE")
-    os.environ["OPENFLASH_CACHE"] = str(tmp / "cache")  # token maps are cached there, not in ~/.cache
-    try:
-        tok = train_bpe_tokenizer([stdlib_source_dir() / f for f in CORPUS], 1024, tmp / "tokenizer.json")
-        vocab = tok.get_vocab_size(with_added_tokens=True)
-        token_map = build_compressed_token_map(tok, vocab)
-        cfg = load_config("tiny").replace(vocab_size=vocab, engram_compressed_vocab_size=int(token_map.max()) + 1,
-                                          image_token_id=None)
-        torch.manual_seed(0)
-        model = Transformer(cfg)  # the engine addresses its Engram tables through `tok`'s token map
-        model.set_numerics(NUMERICS["plain"]).eval()
-        yield Runtime.of(model, tok)
-    finally:
-        if old_cache is None:
-            os.environ.pop("OPENFLASH_CACHE", None)
-        else:
-            os.environ["OPENFLASH_CACHE"] = old_cache
-
-
-def make_app(rt, server_kw=None, **engine_kw):
-    config = dict(max_batch=32, max_context=MAX_CONTEXT, prefill_chunk=32, max_step_tokens=256)
-    engine = LLMEngine(rt, EngineConfig(**{**config, **engine_kw}))
-    fmt = chat_format(rt.tokenizer, rt.cfg.bos_token_id, rt.cfg.eos_token_id)
-    return engine, build_app(engine, rt.tokenizer, ServerConfig(NAME, fmt, drain_timeout=2.0, **(server_kw or {})))
-
-
-@pytest.fixture(scope="module")
 def live(stack):
+    """The app on a live server for the module's tests (they leave it idle)."""
     rt = stack
     engine, app = make_app(rt)
     with LiveServer(app) as server:
         yield server, engine
     assert not engine.accepting and not engine.has_work()  # shut down with the server
-
-
-def idle(engine: LLMEngine, timeout: float = 30.0) -> bool:
-    """Wait until nothing runs and the only KV blocks in use are the prefix cache's."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        held = len(engine.prefix_cache.block_refs) if engine.prefix_cache is not None else 0
-        if not engine.has_work() and engine.runner.batch is None and engine.factory.pool.blocks_in_use == held:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def reference(rt, prompt, max_tokens: int) -> str:
-    return generate(rt, prompt, SamplingParams(max_tokens=max_tokens)).text
 
 
 # ---- completions and chat ----------------------------------------------------------------------------------------
@@ -213,20 +122,14 @@ def test_models_health_tokenize_detokenize_metrics(live, stack):
 # ---- errors ------------------------------------------------------------------------------------------------------
 
 
-def _error(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
-
-
 def test_error_responses(live):
     server, engine = live
     url = server.url
     r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-test", "prompt": ',
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json"
     r = httpx.post(url + "/v1/completions", content=b"not json")
-    assert r.status_code == 400 and "malformed JSON" in _error(r)["message"]
+    assert r.status_code == 400 and "malformed JSON" in error_of(r)["message"]
     r = httpx.post(url + "/v1/nothing", json={})
     assert r.status_code == 404
     client = server.client()
@@ -258,7 +161,7 @@ def test_error_responses(live):
         client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"].startswith("messages")
     r = httpx.post(url + "/detokenize", json={"tokens": [5, 99999]})
-    assert r.status_code == 400 and _error(r)["param"] == "tokens"
+    assert r.status_code == 400 and error_of(r)["param"] == "tokens"
     assert idle(engine)
 
 
@@ -309,24 +212,24 @@ def test_invalid_values_that_used_to_pass(live):
     server, engine = live
     url = server.url
     r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stop_token_ids": [2**70]})
-    assert r.status_code == 400 and _error(r)["param"] == "stop_token_ids"
+    assert r.status_code == 400 and error_of(r)["param"] == "stop_token_ids"
     r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stop_token_ids": [5, 1024]})
-    assert r.status_code == 400 and "1024" in _error(r)["message"]
+    assert r.status_code == 400 and "1024" in error_of(r)["message"]
     for field in ("stream", "echo", "ignore_eos"):
         r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", field: "yes"})
-        assert r.status_code == 422 and _error(r)["param"] == field, r.text
+        assert r.status_code == 422 and error_of(r)["param"] == field, r.text
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "stream": 1,
                                                         "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 422 and _error(r)["param"] == "stream"
+    assert r.status_code == 422 and error_of(r)["param"] == "stream"
     r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "stream": True,
                                                    "stream_options": {"include_usage": "yes"}})
-    assert r.status_code == 422 and _error(r)["param"] == "stream_options.include_usage"
+    assert r.status_code == 422 and error_of(r)["param"] == "stream_options.include_usage"
     r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-test", "prompt": "x"}',
                    headers={"content-type": "text/plain"})
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_content_type"
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_content_type"
     # Echoed values are cut: a 1 MiB model name does not come back as a 1 MB error.
     r = httpx.post(url + "/v1/completions", json={"model": "m" * (1 << 20), "prompt": "x"})
-    assert r.status_code == 404 and len(r.content) < 4096 and "1048576 characters" in _error(r)["message"]
+    assert r.status_code == 404 and len(r.content) < 4096 and "1048576 characters" in error_of(r)["message"]
     assert idle(engine)
 
 
@@ -336,7 +239,7 @@ def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
     with LiveServer(app) as server:
         big = {"model": NAME, "prompt": "x = 1\n" * (200 << 10), "max_tokens": 1}
         r = httpx.post(server.url + "/v1/completions", json=big, timeout=30)
-        assert r.status_code == 413 and _error(r)["code"] == "request_too_large" and "65536" in _error(r)["message"]
+        assert r.status_code == 413 and error_of(r)["code"] == "request_too_large" and "65536" in error_of(r)["message"]
 
         def chunked():  # no Content-Length: the limit applies to the streamed bytes
             yield b'{"model": "tiny-test", "prompt": "'
@@ -346,14 +249,14 @@ def test_request_body_limit_and_tokenization_off_the_event_loop(stack):
 
         r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
                        headers={"content-type": "application/json"})
-        assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+        assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
         assert httpx.get(server.url + "/health").status_code == 200
     # The default limit (32 MiB) refuses a 40 MiB prompt before reading it.
     engine, app = make_app(rt)
     with LiveServer(app) as server:
         r = httpx.post(server.url + "/v1/completions", timeout=30,
                        json={"model": NAME, "prompt": "z" * (40 << 20), "max_tokens": 1})
-        assert r.status_code == 413 and str(32 << 20) in _error(r)["message"]
+        assert r.status_code == 413 and str(32 << 20) in error_of(r)["message"]
 
 
 def test_tokenization_runs_off_the_event_loop(stack):
@@ -391,7 +294,7 @@ def test_api_key(stack):
         url = server.url
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers)
-            assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key", (headers, r.text)
+            assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key", (headers, r.text)
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200  # stays open (load balancers)
@@ -408,7 +311,7 @@ def test_queue_full_is_429(stack):
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
     assert r.status_code == 429
-    err = _error(r)
+    err = error_of(r)
     assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
 
 

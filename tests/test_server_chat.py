@@ -15,7 +15,7 @@ import os
 import httpx
 import pytest
 import torch
-from test_server import LiveServer
+from live_server import LiveServer
 
 from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions, ToolCall, ToolSpec, Turn

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_server import MAX_CONTEXT, NAME, LiveServer, _error, idle, make_app, stack  # noqa: F401 (fixture)
+from live_server import MAX_CONTEXT, NAME, LiveServer, error_of, idle, make_app, stack  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,17 +39,17 @@ def test_deeply_nested_tool_arguments_are_400s_naming_the_field(live):
     for arguments in (as_text, as_object):
         r = httpx.post(server.url + "/v1/chat/completions", content=_assistant_call(arguments),
                        headers={"content-type": "application/json"}, timeout=30)
-        err = _error(r)
+        err = error_of(r)
         assert r.status_code == 400 and err["param"].startswith(where), r.text
         assert "nested more than 64 levels" in err["message"]
     tools = {"type": "function", "function": {"name": "f", "parameters": json.loads('{"a":' * 80 + "1" + "}" * 80)}}
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [tools]})
-    assert r.status_code == 400 and _error(r)["param"].startswith("tools.0.function.parameters.a.a")
+    assert r.status_code == 400 and error_of(r)["param"].startswith("tools.0.function.parameters.a.a")
     beyond_the_parser = '{"model": "%s", "prompt": %s1%s}' % (NAME, "[" * 5000, "]" * 5000)
     r = httpx.post(server.url + "/v1/completions", content=beyond_the_parser,
                    headers={"content-type": "application/json"}, timeout=30)
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_json" and "nested" in _error(r)["message"]
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json" and "nested" in error_of(r)["message"]
     assert idle(engine)
 
 
@@ -79,8 +79,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(stack):  # noqa: 
                            ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": huge}]}),
                            ("/tokenize", {"prompt": huge})):
             r = httpx.post(server.url + path, json=body, timeout=60)
-            assert r.status_code == 413 and _error(r)["code"] == "context_length_exceeded", r.text
-            assert f"the context holds {MAX_CONTEXT}" in _error(r)["message"]
+            assert r.status_code == 413 and error_of(r)["code"] == "context_length_exceeded", r.text
+            assert f"the context holds {MAX_CONTEXT}" in error_of(r)["message"]
         assert time.monotonic() - start < 30 and not calls  # the tokenizer never saw them
         short = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x = 1", "max_tokens": 1})
         assert short.status_code == 200 and calls
@@ -92,17 +92,17 @@ def test_numbers_are_strict_and_fields_named_as_sent(live):
     for field, value in (("max_tokens", True), ("max_tokens", "2"), ("n", "1"), ("temperature", "0.5"),
                          ("seed", False), ("stop_token_ids", ["5"])):
         r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", field: value})
-        assert r.status_code == 422 and _error(r)["param"].startswith(field), (field, value, r.text)
+        assert r.status_code == 422 and error_of(r)["param"].startswith(field), (field, value, r.text)
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
                                                         "max_completion_tokens": 10 ** 6})
-    assert r.status_code == 422 and _error(r)["param"] == "max_completion_tokens"
-    assert _error(r)["message"].startswith("max_completion_tokens")
+    assert r.status_code == 422 and error_of(r)["param"] == "max_completion_tokens"
+    assert error_of(r)["message"].startswith("max_completion_tokens")
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
                                                         "max_tokens": 10 ** 6})
-    assert r.status_code == 422 and _error(r)["param"] == "max_tokens"
+    assert r.status_code == 422 and error_of(r)["param"] == "max_tokens"
     assert httpx.get(url + f"/v1/models/{NAME}").json()["id"] == NAME
     r = httpx.get(url + "/v1/models/gpt-4")
-    assert r.status_code == 404 and _error(r)["code"] == "model_not_found" and "gpt-4" in _error(r)["message"]
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found" and "gpt-4" in error_of(r)["message"]
     assert httpx.get(url + "/openapi.json").status_code == 200  # no key: the schema is served
     assert idle(engine)
 

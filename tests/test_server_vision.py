@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from test_server import LiveServer
+from live_server import LiveServer
 
 from openflash.chat import chat_format
 from openflash.checkpoint import open_model

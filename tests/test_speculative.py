@@ -213,7 +213,7 @@ def test_metrics_report_acceptance(drafted):
 
 
 def test_server_with_speculation_answers_as_without(drafted):
-    from test_server import LiveServer
+    from live_server import LiveServer
 
     from openflash.chat import chat_format
     from openflash.serve.app import ServerConfig, build_app
