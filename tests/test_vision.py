@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from openflash.checkpoint import build_model, load_checkpoint, save_checkpoint
-from openflash.config import VisionConfig, load_config
+from openflash.config import load_config
+from openflash.config_parts import VisionConfig
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams

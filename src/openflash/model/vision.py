@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openflash.config import VisionConfig
+from openflash.config_parts import VisionConfig
 from openflash.model.layers import NumericsMixin
 
 # Token types of an image span (spec §A.5); TEXT marks every other position.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from openflash.config import VisionConfig
+from openflash.config_parts import VisionConfig
 from openflash.errors import RequestError
 from openflash.model.vision import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 
