@@ -392,8 +392,8 @@ class LLMEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        keepalive = KEEPALIVE_SECONDS if self.lockstep is not None else None  # followers wait on each step
         while True:
-            keepalive = KEEPALIVE_SECONDS if self.lockstep is not None else None  # followers wait on each step
             if not self.inbox.wait(lambda: self.scheduler.has_work, keepalive):
                 return
             try:

@@ -40,8 +40,9 @@ class PromptIntake:
 
     @classmethod
     def of(cls, cfg: FlashConfig, tokenizer: Tokenizer, max_context: int | None) -> "PromptIntake":
-        return cls(tokenizer, cfg.vocab_size, max_context, max_chars_per_token(tokenizer), cfg.image_token_id,
-                   cfg.has_vision)
+        # (the bound reads the whole vocabulary: only where there is a context to hold a text against)
+        bound = max_chars_per_token(tokenizer) if max_context is not None else None
+        return cls(tokenizer, cfg.vocab_size, max_context, bound, cfg.image_token_id, cfg.has_vision)
 
     def encode(self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """A text's token ids (its length checked first), or a list of ids as given; then `check_ids`."""
