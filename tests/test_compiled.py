@@ -33,7 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Inductor builds C++ for the CPU: where no compiler is installed, --compile refuses (tested below) and these skip.
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
                                reason="no C++ compiler for torch.compile's CPU kernels")
-CAPACITY_TOKENS = 16  # the smallest compressed capacity a decode graph is built for: small, so tests cross buckets
+# The smallest compressed capacity a decode graph is built for: small, so the run crosses a bucket (32 -> 64 tokens),
+# yet past the tiny preset's index_topk (8) entries in every compressed table from the first step: top-k keeps
+# min(topk, entries), so a table that starts narrower compiles a second graph once it widens past topk (as a
+# released model does once, at index_topk entries), and one graph of this size takes minutes of inductor on 2 cores.
+CAPACITY_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +54,11 @@ def compiled_tiny():
 def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(compiled_tiny):
     """A batch of 4 on paged caches whose capacity (two buckets), block tables and block pool grow while it decodes:
     the prefill kernels and the decode graph through inductor give the eager greedy tokens, with no graph break;
-    the growing sizes are symbolic, so the graphs compiled are the first batch size's and then one for any other
-    (without them symbolic, the table widening and the pool doubling would recompile too)."""
+    the growing sizes are symbolic, so one graph serves every step (without them symbolic, the capacity bucket,
+    the table widening and the pool doubling would each recompile)."""
     rt, eager = compiled_tiny
     prompts = [[5 + i] * n for i, n in enumerate((7, 12, 12, 14))]
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(max_tokens=24)  # positions up to 37: past the first bucket
     want = [generate(eager, p, params).token_ids for p in prompts]
     engine = LLMEngine(rt, EngineConfig(max_batch=4, prefill_chunk=16, prefix_cache=False, kv_block_size=1))
     torch._dynamo.utils.counters.clear()
@@ -62,7 +66,7 @@ def test_engine_on_the_compiled_backend_gives_the_eager_greedy_tokens(compiled_t
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     graph = engine.stats()["decode_graph"]
     assert graph["steps"] > 0 and engine.factory.pool.num_blocks > 64  # graphs ran; the pool grew past 64 blocks
-    assert graph["graphs"] <= 2, graph
+    assert graph["graphs"] == 1, graph
     assert f"openflash_decode_graphs_compiled_total {float(graph['graphs'])}" in render(engine)
 
 
