@@ -37,7 +37,7 @@ from openflash.memory.experts import ExpertStore
 from openflash.model import routed
 from openflash.model.layers import Linear
 from openflash.runtime import Runtime
-from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, stored_parts
+from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, StoredModel
 from openflash.tools.synth import cut_config, synthesize
 
 RESULTS = Path(__file__).parent / "results"
@@ -53,7 +53,7 @@ def mem_total() -> int:
 
 def stored_layout(layers: int) -> dict[str, int]:
     """Stored bytes of the checkpoint's parts at `layers` layers."""
-    return stored_parts(cut_config(load_config("flash"), layers=layers, vision=False))[0]
+    return StoredModel.of(cut_config(load_config("flash"), layers=layers, vision=False)).parts
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:

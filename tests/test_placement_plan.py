@@ -11,7 +11,7 @@ import pytest
 
 from openflash.errors import OpenflashError
 from openflash.sizes import parse_size
-from openflash.tools.placement_plan import WORK_RESERVE, GiB, plan_placement
+from openflash.tools.placement_plan import WORK_RESERVE, GiB, StoredModel, plan_placement
 from openflash.tools.synth import synthesize
 
 
@@ -21,17 +21,18 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_released_model_on_smaller_machines():
-    small = plan_placement("flash", 24 * GiB, context=65536)
+    flash = StoredModel.of("flash")  # (the released model built on meta: once, not per plan)
+    small = plan_placement(flash, 24 * GiB, context=65536)
     assert small.where == {"dense": "host", "kv": "host", "experts": "disk", "engram": "disk"}
     assert 0 < small.expert_cache_bytes < 24 * GiB and small.run_settings()["expert_placement"] == "disk"
-    big = plan_placement("flash", 1024 * GiB, context=65536)
+    big = plan_placement(flash, 1024 * GiB, context=65536)
     assert big.where["experts"] == "host" and big.run_settings()["expert_placement"] == "device"
     assert big.tokens_per_second > small.tokens_per_second
-    gpu = plan_placement("flash", 512 * GiB, accelerator_memory=80 * GiB, context=65536)
+    gpu = plan_placement(flash, 512 * GiB, accelerator_memory=80 * GiB, context=65536)
     assert gpu.where["dense"] == "accelerator" and gpu.where["experts"] == "host"
     assert gpu.run_settings()["expert_placement"] == "host" and gpu.expert_cache_bytes > 0
     with pytest.raises(OpenflashError, match="nothing fits: the dense weights .* but the host has 8.00 GiB"):
-        plan_placement("flash", 8 * GiB)
+        plan_placement(flash, 8 * GiB)
     assert parse_size("24GiB", "--memory") == 24 * GiB and parse_size("80GB", "x") == 80 * 10 ** 9
     with pytest.raises(OpenflashError, match="is not a size"):
         parse_size("lots", "--memory")

@@ -70,22 +70,31 @@ class PlacementPlan:
                 "engram_cache_bytes": self.engram_cache_bytes}
 
 
-def stored_parts(config: str | FlashConfig) -> tuple[dict[str, int], dict[str, Any]]:
-    """Stored bytes of the dense weights, routed experts and Engram tables, and the per-token facts."""
-    cfg = config if isinstance(config, FlashConfig) else load_config(config)
-    model = build_model(cfg, device="meta")
-    experts = sum(stored_bytes(block.ffn.experts) for block in model.layers)
-    tables = sum(stored_bytes(t) for t in model.engram_tables().values())
-    parts = {"dense": stored_bytes(model) - experts - tables, "experts": experts, "engram": tables}
-    expert = experts // max(1, cfg.num_hidden_layers * cfg.n_routed_experts)
-    # Read by every decode token: the dense weights but the embedding (one row), the DSpark head (speculation only)
-    # and the vision tower (prompts with images only).
-    idle = 2 * cfg.vocab_size * cfg.hidden_size + stored_bytes(model.mtp) + \
-        (stored_bytes(model.vision) + stored_bytes(model.aligner) if model.vision is not None else 0)
-    facts = {"cfg": cfg, "dense_per_token": parts["dense"] - idle, "expert_bytes": expert,
-             "active_expert_bytes": cfg.num_hidden_layers * cfg.num_experts_per_tok * expert,
-             "engram_row_bytes": cfg.n_hash_columns * len(cfg.engram_layer_ids) * (cfg.engram_head_dim * 33 // 32)}
-    return parts, facts
+@dataclass(frozen=True)
+class StoredModel:
+    """A model's stored bytes by part and what one decode token reads, from the model built on the meta device once
+    (seconds at the released size: build it once where several plans are made)."""
+    cfg: FlashConfig
+    parts: dict[str, int]  # dense, experts, engram
+    dense_per_token: int
+    expert_bytes: int  # one routed expert
+    active_expert_bytes: int  # the routed experts one token reads, all layers
+    engram_row_bytes: int  # the Engram rows one token reads, all layers
+
+    @classmethod
+    def of(cls, config: str | FlashConfig) -> "StoredModel":
+        cfg = config if isinstance(config, FlashConfig) else load_config(config)
+        model = build_model(cfg, device="meta")
+        experts = sum(stored_bytes(block.ffn.experts) for block in model.layers)
+        tables = sum(stored_bytes(t) for t in model.engram_tables().values())
+        parts = {"dense": stored_bytes(model) - experts - tables, "experts": experts, "engram": tables}
+        expert = experts // max(1, cfg.num_hidden_layers * cfg.n_routed_experts)
+        # Read by every decode token: the dense weights but the embedding (one row), the DSpark head (speculation
+        # only) and the vision tower (prompts with images only).
+        idle = 2 * cfg.vocab_size * cfg.hidden_size + stored_bytes(model.mtp) + \
+            (stored_bytes(model.vision) + stored_bytes(model.aligner) if model.vision is not None else 0)
+        return cls(cfg, parts, parts["dense"] - idle, expert, cfg.num_hidden_layers * cfg.num_experts_per_tok * expert,
+                   cfg.n_hash_columns * len(cfg.engram_layer_ids) * (cfg.engram_head_dim * 33 // 32))
 
 
 def ram_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -129,13 +138,14 @@ def measure_bandwidth(scratch: str | Path | None = None, nbytes: int = 1 * GiB) 
     return {**DEFAULT_BANDWIDTH, "host": ram_bandwidth(), "disk": disk}
 
 
-def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | None = None, context: int = 65536,
+def plan_placement(model: str | StoredModel, memory: int, accelerator_memory: int | None = None, context: int = 65536,
                    batch: int = 1, bandwidth: dict[str, float] | None = None) -> PlacementPlan:
     """The placement of the module doc; OpenflashError when nothing fits."""
     if memory < 1 or (accelerator_memory is not None and accelerator_memory < 1) or context < 1 or batch < 1:
         raise OpenflashError("--memory, --accelerator-memory, --context and --batch must be positive")
-    parts, facts = stored_parts(name_or_path)
-    kv_per_token, window = kv_bytes(facts["cfg"])
+    facts = model if isinstance(model, StoredModel) else StoredModel.of(model)
+    parts = dict(facts.parts)
+    kv_per_token, window = kv_bytes(facts.cfg)
     parts["kv"] = batch * (kv_per_token * context + window)
     bw = dict(bandwidth or DEFAULT_BANDWIDTH)
     compute = "accelerator" if accelerator_memory else "host"
@@ -164,7 +174,7 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
     else:
         where["experts"], cache = "disk", max(1, room[compute])  # 1 byte: keep nothing (0 would mean no limit)
         room[compute] = 0
-        if cache < facts["expert_bytes"] * facts["cfg"].num_experts_per_tok:
+        if cache < facts.expert_bytes * facts.cfg.num_experts_per_tok:
             notes.append("the expert cache holds less than one layer's picks: every token reads its experts")
     if parts["engram"] <= room["host"]:
         where["engram"], engram_cache = "host", 0
@@ -176,16 +186,16 @@ def plan_placement(name_or_path: str, memory: int, accelerator_memory: int | Non
                          "top of --memory")
     # Bytes per decode token, by the tier they are read from.
     per_token: dict[str, float] = {"accelerator": 0.0, "host": 0.0, "disk": 0.0, "host_to_accelerator": 0.0}
-    per_token[compute] += facts["dense_per_token"]
+    per_token[compute] += facts.dense_per_token
     served = min(1.0, cache / parts["experts"]) if parts["experts"] else 1.0
-    active = facts["active_expert_bytes"]
+    active = facts.active_expert_bytes
     if where["experts"] == compute:
         per_token[compute] += active
     else:
         per_token[compute] += served * active
         slow = "host_to_accelerator" if where["experts"] == "host" else "disk"
         per_token[slow] += (1 - served) * active
-    per_token["host" if where["engram"] == "host" else "disk"] += facts["engram_row_bytes"]
+    per_token["host" if where["engram"] == "host" else "disk"] += facts.engram_row_bytes
     seconds = sum(b / bw[t] for t, b in per_token.items() if b)
     return PlacementPlan(memory, accelerator_memory, context, batch, parts, where, int(cache), int(engram_cache),
                      {k: v for k, v in per_token.items() if v}, bw, bandwidth is not None and bw != DEFAULT_BANDWIDTH,
@@ -198,4 +208,4 @@ def write_placement(placement: PlacementPlan, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["PlacementPlan", "plan_placement", "measure_bandwidth", "write_placement"]
+__all__ = ["PlacementPlan", "StoredModel", "plan_placement", "measure_bandwidth", "write_placement"]
