@@ -270,6 +270,37 @@ def test_seeded_sampling_is_independent_of_the_batch(plain):
     assert [s.output_ids for s in seqs] == [generate(rt, p, sp).token_ids for p, sp in zip(ps, params)]
 
 
+def test_a_shared_prompt_is_prefilled_once_and_each_twin_samples_its_own(plain):
+    """Four requests of one prompt (an RL group, a completion's n) and one of another: the shared prompt's chunks run
+    once, the three twins take copies of its state (copy-on-write blocks) and draw their own tokens, which equal
+    those of each request served alone. A twin whose leader stops before its prefill ends prefills itself."""
+    rt = plain
+    shared, other = prompts(2, 33, 34, seed=9)  # three chunks of 16
+    params = [SamplingParams(temperature=0.8, max_tokens=6, seed=40 + i, logprobs=True) for i in range(5)]
+    engine = LLMEngine(rt, EngineConfig(max_batch=8, prefill_chunk=16, max_step_tokens=32, prefix_cache=False))
+    alone = [engine.generate([p], [sp], ignore_eos=True)[0] for p, sp in zip([shared] * 4 + [other], params)]
+    engine.metrics.prompt_tokens = engine.metrics.cached_prompt_tokens = 0
+    seqs = engine.generate([shared] * 4 + [other], params, ignore_eos=True)
+    assert [s.output_ids for s in seqs] == [a.output_ids for a in alone]
+    assert len({tuple(s.output_ids) for s in seqs[:4]}) > 1  # their own seeds: the group really differs
+    for seq, single in zip(seqs, alone):
+        assert seq.output_logprobs == pytest.approx(single.output_logprobs, abs=1e-5)
+    assert engine.metrics.prompt_tokens == 2 * 33 and engine.metrics.cached_prompt_tokens == 3 * 33
+    assert [s.num_cached for s in seqs] == [0, 33, 33, 33, 0] and engine.factory.pool.blocks_in_use == 0
+
+    outs: dict[str, list] = {}
+    lead, *twins = [engine.add_request(shared, sp, ignore_eos=True, on_output=lambda o: outs.setdefault(
+        o.request_id, []).append(o)) for sp in params[:3]]
+    engine.step()  # the leader's first chunk; its twins wait
+    assert engine.scheduler.twins == {lead.request_id: twins}
+    engine.abort(lead.request_id)
+    while engine.has_work():
+        engine.step()
+    assert outs[lead.request_id][-1].finish_reason == ABORT
+    assert [t.output_ids for t in twins] == [a.output_ids for a in alone[1:3]]
+    assert engine.factory.pool.blocks_in_use == 0
+
+
 def test_stop_strings_stop_ids_and_length(plain):
     rt = plain
     p = prompts(1, 20, 21, seed=5)[0]

@@ -246,8 +246,19 @@ class LLMEngine:
                     continue
                 if chunk.last:
                     self.scheduler.promote(seq)
-                    token = self.next_tokens(result.logits.unsqueeze(0), [seq])[0]
-                    outputs.append((seq, self._append(seq, token)))
+                    group = [seq, *self._forks(seq)]
+                    tokens = self.next_tokens(result.logits.unsqueeze(0).expand(len(group), -1), group)
+                    outputs += [(s, self._append(s, t)) for s, t in zip(group, tokens)]
+
+    def _forks(self, seq: Sequence) -> list[Sequence]:
+        """The twins that waited for seq's prompt (scheduler.py), each given a copy of its state, now running."""
+        twins = self.scheduler.take_twins(seq)
+        for twin in twins:
+            self.runner.fork(seq, twin)
+            twin.scheduled_time = time.perf_counter()
+            self.metrics.queue_time.observe(twin.scheduled_time - twin.arrival_time)
+            self.metrics.cached_prompt_tokens += twin.prompt_len
+        return twins
 
     def _decode(self, decodes: list[Sequence], outputs: Outputs) -> None:
         """One batched decode step (or speculative round) of the running sequences; each commits its tokens."""

@@ -310,6 +310,13 @@ class ModelRunner:
         old.release()
         self.batch_ids = [self.batch_ids[i] for i in keep]
 
+    def fork(self, leader: Sequence, twin: Sequence) -> None:
+        """twin takes leader's state after their shared prompt (bounded state copied, paged blocks shared and
+        copied on write), as if it had prefilled the prompt itself."""
+        twin.cache = leader.cache.select([0])
+        twin.draft_hidden = leader.draft_hidden
+        twin.num_prefilled = twin.num_cached = leader.prompt_len
+
     def free_own(self, seq: Sequence) -> None:
         """Free the cache a sequence holds itself (while prefilling) and its encoded images; its batch rows go
         with `remove`."""

@@ -6,6 +6,11 @@ of a per-step token budget on prompt chunks, oldest request first. Chunks end at
 (absolute prompt positions), so a prompt is cut at the same places whatever else is running, and those places are
 where the prefix cache can take snapshots. At least one chunk is scheduled per step when any prompt is pending, so
 prefill always progresses; at most `max_batch` sequences are admitted (prefilling + running).
+
+A prompt is prefilled once however many requests share it (a completion's `n`, an RL group, the same request sent
+twice at once): a waiting sequence whose prompt (ids, images, adapter) a prefilling one already computes is admitted
+as its twin and computes nothing; when that prefill ends, each twin takes a copy of its state (the engine's fork) and
+samples its own first token from the same logits.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.twins: dict[str, list[Sequence]] = {}  # a prefilling sequence's id -> those waiting for its state
 
     # ---- membership -------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -95,26 +101,39 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def take_twins(self, seq: Sequence) -> list[Sequence]:
+        """The twins of a sequence whose prefill just ended, now running (the engine forks its state into them)."""
+        twins = self.twins.pop(seq.request_id, [])
+        for twin in twins:
+            twin.status = SequenceStatus.RUNNING
+        self.running += twins
+        return twins
+
     def remove(self, seq: Sequence) -> None:
-        for group in (self.running, self.prefilling):
+        for group in (self.running, self.prefilling, *self.twins.values()):
             if seq in group:
                 group.remove(seq)
-                return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+                break
+        else:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        orphans = self.twins.pop(seq.request_id, [])  # it stopped before its prefill ended: they prefill themselves
+        for twin in reversed(orphans):
+            twin.status = SequenceStatus.WAITING
+            self.waiting.appendleft(twin)
 
     def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.prefilling, *self.waiting):
+        for seq in self.all_sequences():
             if seq.request_id == request_id:
                 return seq
         return None
 
     def all_sequences(self) -> list[Sequence]:
-        return [*self.running, *self.prefilling, *self.waiting]
+        return [*self.running, *self.prefilling, *(t for twins in self.twins.values() for t in twins), *self.waiting]
 
     @property
     def num_active(self) -> int:
-        return len(self.running) + len(self.prefilling)
+        return len(self.running) + len(self.prefilling) + sum(len(t) for t in self.twins.values())
 
     @property
     def has_work(self) -> bool:
@@ -142,9 +161,16 @@ class Scheduler:
             chunks = self._chunks(seq, budget, force=not plan.prefills)
             plan.prefills += chunks
             budget -= sum(c.num_tokens for c in chunks)
-        while self.waiting and self.num_active < self.config.max_batch and (
-                not plan.prefills or budget >= min(self.config.prefill_chunk, self.waiting[0].prompt_len)):
-            seq = self.waiting.popleft()
+        while self.waiting and self.num_active < self.config.max_batch:
+            seq = self.waiting[0]
+            leader = next((p for p in self.prefilling if p.key_ids == seq.key_ids and p.adapter == seq.adapter), None)
+            if leader is None and plan.prefills and budget < min(self.config.prefill_chunk, seq.prompt_len):
+                break  # (a twin costs no budget)
+            self.waiting.popleft()
+            if leader is not None:
+                seq.status = SequenceStatus.PREFILLING
+                self.twins.setdefault(leader.request_id, []).append(seq)
+                continue
             if not self.admit(seq):  # (may restore a cached prefix)
                 continue
             seq.status = SequenceStatus.PREFILLING
