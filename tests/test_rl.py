@@ -5,6 +5,7 @@ serves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -178,6 +179,112 @@ def test_rewards_exact_and_user_functions(tmp_path):
         make_reward("exactly")
     with pytest.raises(OpenflashError, match="not a regular expression"):
         make_reward("exact", answer_pattern="(")
+
+
+# ---- tool episodes --------------------------------------------------------------------------------------------------
+D = "｜DSML｜"
+PRICE_TOOL = {"type": "function", "function": {"name": "price", "parameters": {
+    "type": "object", "properties": {"item": {"type": "string"}}}}}
+ENV = ("def price(call, task):\n"
+       "    return task['prices'][call['arguments']['item']]\n")
+
+
+def _call(item: str) -> str:
+    return (f'\n\n<{D} calls>\n<{D} invoke name="price">\n<{D} parameter name="item" string="true">{item}'
+            f'</{D} parameter>\n</{D} invoke>\n</{D} calls>')
+
+
+@dataclasses.dataclass
+class _Turn:
+    """What the engine returns for one turn (engine/request.Sequence's fields that rollouts read)."""
+    output_ids: list
+    output_logprobs: list
+    text: str
+    finish_reason: str = "stop"
+    error: str | None = None
+
+
+class ScriptedTurns:
+    """A Generator whose turns come from scripts keyed by text the prompt ends with; records every prompt."""
+
+    def __init__(self, tokenizer, eos: int, scripts: dict[str, str]) -> None:
+        self.tokenizer, self.eos, self.scripts, self.prompts = tokenizer, eos, scripts, []
+
+    def generate(self, prompts, params):
+        out = []
+        for ids, p in zip(prompts, params):
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            self.prompts.append(text)
+            reply = next(v for k, v in self.scripts.items() if k in text[-80:])
+            ids = self.tokenizer.encode(reply, add_special_tokens=False).ids + [self.eos]
+            out.append(_Turn(ids, [-0.5] * len(ids), reply))
+        return out
+
+
+def test_a_tool_episode_is_one_rollout_with_the_results_masked(tmp_path, caplog):
+    """A chat task naming an environment: the reply's DSML call goes to the function, its result comes back as the
+    template's tool turn, the model answers; the rollout holds both turns, only the model's tokens trained, and the
+    second turn's context is exactly the rendered conversation. A failing function answers with its error."""
+    from openflash.chat import chat_format
+    from openflash.chat.conversation import ChatOptions, ToolCall, ToolSpec, Turn
+    from openflash.config import load_config
+    from openflash.rl.rollout import run_episodes
+    from openflash.tokenizer import load_tokenizer
+
+    tok, cfg = load_tokenizer("deepseek"), load_config("tiny")
+    fmt = chat_format(tok, cfg.bos_token_id, cfg.eos_token_id)
+    assert fmt.name == "deepseek-v4.1"
+    (tmp_path / "shop.py").write_text(ENV)
+    line = lambda item: {"messages": [{"role": "user", "content": f"Price of {item}?"}], "tools": [PRICE_TOOL],  # noqa
+                         "environment": f"{tmp_path / 'shop.py'}:price", "answer": "3", "prices": {"apple": 3}}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (line("apple"), line("pear"))))
+    tasks = read_tasks(path, tok, cfg.bos_token_id, cfg.eos_token_id, needs="answer")
+    scripts = {"apple?<｜Assistant｜></think>": "Let me look." + _call("apple"),
+               "pear?<｜Assistant｜></think>": "Let me look." + _call("pear"),
+               "<tool_result>3</tool_result><｜Assistant｜></think>": "3",
+               "</tool_result><｜Assistant｜></think>": "I could not find it."}
+    gen = ScriptedTurns(tok, cfg.eos_token_id, scripts)
+    batch = run_episodes(gen, tok, fmt, cfg.eos_token_id, 4096, tasks, 2, 64, 1.0, (), 0, 0, max_turns=3)
+    apple, pear = (group[0] for group in batch.groups)
+    assert [(r.turns, r.tool_calls, r.tool_errors, r.text) for r in (apple, pear)] == \
+        [(2, 1, 0, "3"), (2, 1, 1, "I could not find it.")]
+    assert make_reward("exact")(apple.task, apple.text).value == 1.0
+    assert "price raised KeyError" in caplog.text and "error: KeyError: 'pear'" in gen.prompts[-1]
+    # The second turn's context: the conversation as the template renders it (the reply, the tool result).
+    options = ChatOptions(tools=(ToolSpec("price", PRICE_TOOL["function"]["parameters"]),))
+    reply = Turn("assistant", ("Let me look.",), tool_calls=(ToolCall("any", "price", '{"item": "apple"}'),))
+    want = fmt.render([Turn("user", ("Price of apple?",)), reply, Turn("tool", ("3",), tool_call_id="any")],
+                      options)
+    assert gen.prompts[len(tasks) * 2] == want
+    # The mask: the model's two turns trained, the template's tool turn between them not; logprobs aligned.
+    fed = [i for i, t in zip(apple.completion_ids, apple.trained) if not t]
+    assert tok.decode(fed, skip_special_tokens=False) == "<｜User｜><tool_result>3</tool_result><｜Assistant｜></think>"
+    assert apple.trained == [True] * (len(apple.completion_ids) - len(fed) - 2) + [False] * len(fed) + [True] * 2
+    assert [lp for lp, t in zip(apple.logprobs, apple.trained) if not t] == [0.0] * len(fed)
+    assert apple.generated == len(apple.completion_ids) - len(fed) and batch.tokens == 2 * sum(
+        r.generated for r in (apple, pear))
+    # One turn allowed: the call is made but not answered.
+    once = run_episodes(ScriptedTurns(tok, cfg.eos_token_id, scripts), tok, fmt, cfg.eos_token_id, 4096, tasks, 1,
+                        64, 1.0, (), 0, 0, max_turns=1)
+    assert once.groups[0][0].turns == 1 and all(once.groups[0][0].trained)
+    # What an environment needs: a chat task with tools, a template that parses calls, a function that imports.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in (
+        {**line("apple"), "environment": "no_such_module:f"}, {"prompt": "2+2", "environment": "x:y"},
+        {k: v for k, v in line("apple").items() if k != "tools"}, line("apple"))))
+    assert len(read_tasks(bad, tok, cfg.bos_token_id, cfg.eos_token_id)) == 1
+    for n, why in ((1, "cannot import no_such_module"), (2, "needs a chat task with 'tools'"),
+                   (3, "needs a chat task with 'tools'")):
+        assert f"bad.jsonl:{n}: " in caplog.text and why in caplog.text
+
+
+def test_the_update_trains_on_the_tokens_the_model_wrote(tmp_path):
+    from openflash.rl.rollout import Rollout
+    trainer = RLTrainer(_config(tmp_path, "mask", steps=1))
+    r = Rollout(trainer.tasks[0], 0, [5, 6, 7, 8], [0.0] * 4, [True, False, False, True])
+    logp, _, mask = trainer._logprobs([r], grad=True)
+    assert mask.tolist() == [[True, False, False, True]] and logp.shape == (1, 4)
 
 
 # ---- the sandbox ------------------------------------------------------------------------------------------------

@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--steps", type=int, default=100, help="RL steps (rollouts, then updates)")
     rl.add_argument("--prompts-per-step", type=int, default=8, help="tasks per step")
     rl.add_argument("--group-size", type=int, default=8, metavar="G", help="completions sampled per task")
-    rl.add_argument("--max-tokens", type=int, default=64, help="a completion's token budget")
+    rl.add_argument("--max-tokens", type=int, default=64, help="a completion's token budget (all its turns)")
+    rl.add_argument("--max-turns", type=int, default=4,
+                    help="turns of an episode whose task names a tool environment (its calls answered between turns)")
     rl.add_argument("--stop", nargs="+", default=None, metavar="TEXT", help="stop strings ending a completion")
     rl.add_argument("--temperature", type=float, default=1.0, help="the rollouts' sampling temperature")
     rl.add_argument("--lr", type=float, default=1e-4, help="the adapter's learning rate")

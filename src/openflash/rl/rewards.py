@@ -13,13 +13,9 @@ log; it never stops training.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from openflash.chat.completion import parse_completion
@@ -27,6 +23,7 @@ from openflash.chat.conversation import Content
 from openflash.errors import OpenflashError
 from openflash.rl.sandbox import Sandbox
 from openflash.rl.tasks import Task
+from openflash.rl.user_code import import_function
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -116,23 +113,6 @@ def make_reward(spec: str, answer_pattern: str | None = None, timeout: float = 5
         raise OpenflashError("--answer-pattern goes with --reward exact")
     if spec == "tests":
         return UnitTests(Sandbox(timeout, memory))
-    if spec.count(":") != 1 or not all(spec.split(":")):
+    if ":" not in spec:
         raise OpenflashError(f"--reward must be exact, tests or MODULE:FUNCTION, got {spec!r}")
-    module_name, function_name = spec.split(":")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            spec_ = importlib.util.spec_from_file_location(path.stem, path)
-            if spec_ is None or not path.is_file():
-                raise ImportError(f"no file {path}")
-            module = importlib.util.module_from_spec(spec_)
-            sys.modules[path.stem] = module
-            spec_.loader.exec_module(module)  # type: ignore[union-attr]
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise OpenflashError(f"--reward {spec}: cannot import {module_name} ({type(exc).__name__}: {exc})") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise OpenflashError(f"--reward {spec}: {module_name} has no function {function_name!r}")
-    return UserReward(spec, function)
+    return UserReward(spec, import_function(spec, "--reward"))

@@ -3,6 +3,8 @@
     {"prompt": "2 + 3 =", "answer": "5"}                                  text prompt, exact-match reward
     {"messages": [{"role": "user", "content": "..."}], "tools": [...],     chat prompt (the model's chat template,
      "tests": "assert add(2, 3) == 5"}                                      as the server renders it), unit tests
+    {"messages": [...], "tools": [...], "environment": "env.py:lookup",   an agent's episode: each tool call answered
+     "answer": "42"}                                                       by the function (rl/environment.py)
 
 Any other fields travel with the task to a user's reward function. Bad lines are named (file:line and why) and
 skipped; a file with no good line is refused.
@@ -18,9 +20,11 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from openflash.chat import chat_format
-from openflash.chat.conversation import ChatOptions
+from openflash.chat.conversation import ChatOptions, Turn
 from openflash.errors import OpenflashError
 from openflash.files.jsonl import BadLine, jsonl_lines
+from openflash.rl.environment import ToolEnvironment
+from openflash.rl.user_code import import_function
 
 log = logging.getLogger("openflash.rl")
 
@@ -34,6 +38,9 @@ class Task:
     chat: bool  # rendered with the chat template: the reply's answer part is what `exact` compares
     thinking: bool  # the chat prompt opened a reasoning part
     fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the line's object (answer, tests, ...)
+    turns: tuple[Turn, ...] = ()  # a chat task's conversation, and its options (tools, thinking)
+    options: ChatOptions = field(default_factory=ChatOptions, hash=False)
+    environment: ToolEnvironment | None = field(default=None, hash=False)  # answers its tool calls
 
 
 def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: int | None,
@@ -43,6 +50,7 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
     fmt = None
     tasks: list[Task] = []
     bad: list[str] = []
+    environments: dict[str, ToolEnvironment] = {}  # each named function imported once
     for where, record in jsonl_lines(path):
         try:
             if isinstance(record, BadLine):
@@ -51,20 +59,32 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
                 raise OpenflashError(f"expected a JSON object, got {type(record).__name__}")
             if needs is not None and needs not in record:
                 raise OpenflashError(f"no {needs!r} field (the reward needs it)")
+            turns, options = (), ChatOptions()
             if "prompt" in record:
                 if not isinstance(record["prompt"], str) or not record["prompt"]:
                     raise OpenflashError("'prompt' must be a non-empty string")
-                ids, chat, thinking = tokenizer.encode(record["prompt"], add_special_tokens=False).ids, False, False
+                ids, chat = tokenizer.encode(record["prompt"], add_special_tokens=False).ids, False
             elif "messages" in record:
                 if fmt is None:
                     fmt = chat_format(tokenizer, bos_token_id, eos_token_id)
-                ids, thinking = _chat_prompt(record, where, fmt, tokenizer)
+                ids, turns, options = _chat_prompt(record, fmt, tokenizer)
                 chat = True
             else:
                 raise OpenflashError("neither 'prompt' (text) nor 'messages' (chat)")
             if not ids:
                 raise OpenflashError("the prompt is empty after tokenization")
-            tasks.append(Task(where, tuple(ids), chat, thinking, record))
+            environment = None
+            if "environment" in record:
+                if not (chat and options.tools) or fmt is None or fmt.name == "simple":
+                    raise OpenflashError("'environment' needs a chat task with 'tools' and a chat template with a "
+                                         f"tool-call syntax (this model's is {fmt.name if fmt else 'none: a text task'})")
+                spec = record["environment"]
+                if not isinstance(spec, str):
+                    raise OpenflashError(f"'environment' must be a MODULE:FUNCTION string, got {spec!r}")
+                if spec not in environments:
+                    environments[spec] = ToolEnvironment(spec, import_function(spec, "'environment'"))
+                environment = environments[spec]
+            tasks.append(Task(where, tuple(ids), chat, options.thinking, record, tuple(turns), options, environment))
         except OpenflashError as exc:
             bad.append(f"{where}: {exc}")
     if bad:
@@ -76,8 +96,10 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
     return tasks
 
 
-def _chat_prompt(record: dict[str, Any], where: str, fmt: Any, tokenizer: Tokenizer) -> tuple[list[int], bool]:
-    """A chat task's prompt: its messages (and tools) rendered as the server would for the next assistant turn."""
+def _chat_prompt(record: dict[str, Any], fmt: Any, tokenizer: Tokenizer
+                 ) -> tuple[list[int], list[Turn], ChatOptions]:
+    """A chat task's prompt: its messages (and tools) rendered as the server would for the next assistant turn,
+    with the turns and options they were rendered from."""
     from openflash.train.chats import parse_conversation  # (the server's reading of messages, as chat data uses)
 
     messages = record["messages"]
@@ -86,9 +108,9 @@ def _chat_prompt(record: dict[str, Any], where: str, fmt: Any, tokenizer: Tokeni
     # parse_conversation wants an assistant turn to train on; a task's conversation ends before the reply
     turns, options = parse_conversation({**record, "messages": messages + [{"role": "assistant", "content": "."}]},
                                         "the task")
-    thinking = bool(record.get("thinking", False)) and fmt.name != "simple"
+    options = ChatOptions(thinking=bool(record.get("thinking", False)) and fmt.name != "simple", tools=options.tools)
     try:
-        text = fmt.render(turns[:-1], ChatOptions(thinking=thinking, tools=options.tools))
+        text = fmt.render(turns[:-1], options)
     except Exception as exc:  # RequestError: a conversation the template cannot render
         raise OpenflashError(f"messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False).ids, thinking
+    return tokenizer.encode(text, add_special_tokens=False).ids, turns[:-1], options

@@ -3,12 +3,14 @@
 One step:
 
     tasks = the step's prompts_per_step tasks               (a fixed shuffle per pass: resumes exactly)
-    rollouts = group_size completions of each (rollout.py: the engine, on the policy as it stands)
+    rollouts = group_size completions of each (rollout.py: the engine, on the policy as it stands; a task with a
+               tool environment runs as an episode of turns, its tool results fed back, rl/environment.py)
     rewards = the reward of each (rewards.py), + the overlong penalty; advantages within each group (grpo.py)
     groups with no signal (all rewards equal, when dropped) or fewer than 2 usable samples are skipped, counted
     log p_old = the training forward's log-probs before the update (no grad); log p_ref = the same with the
     adapter switched off (only with --kl-coef)
-    updates_per_step optimizer steps over mini-batches of the rollouts: clipped surrogate (+ KL), backward
+    updates_per_step optimizer steps over mini-batches of the rollouts: clipped surrogate (+ KL) over the tokens
+    the model wrote (tool results masked), backward
 
 The base stays frozen as stored (train/finetune.lora_model); rollouts run in the `fp32` numerics (eval), the update
 in `finetune` (the same rounding points, straight-through). The run folder is the trainer's (files/run_dir.py):
@@ -31,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from openflash.chat import chat_format
 from openflash.errors import OpenflashError
 from openflash.files.manifest import write_manifest
 from openflash.files.peft import read_adapter, write_adapter
@@ -83,6 +86,8 @@ class RLTrainer:
                     eos_token_id=model_cfg.eos_token_id, needs=self.reward.needs)
         self.tasks = read_tasks(cfg.tasks, **read)
         self.eval_tasks = read_tasks(cfg.eval_tasks, **read) if cfg.eval_tasks else []
+        self.chat_format = chat_format(self.runtime.tokenizer, model_cfg.bos_token_id, model_cfg.eos_token_id) \
+            if any(t.environment is not None for t in self.tasks + self.eval_tasks) else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = TrainOptimizer(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
         self.schedule = Schedule(cfg.warmup, cfg.steps, 0, min_ratio=1.0)  # constant after the warm-up
@@ -149,7 +154,7 @@ class RLTrainer:
         rewards_all = [s for group in scored for s in group if s is not None]
         usable, empty, dropped = [], 0, 0
         for group, scores in zip(batch.groups, scored):
-            kept = [(r, s) for r, s in zip(group, scores) if s is not None and r.completion_ids]
+            kept = [(r, s) for r, s in zip(group, scores) if s is not None and r.generated]
             if len(kept) < 2:
                 empty += 1
                 continue
@@ -163,13 +168,15 @@ class RLTrainer:
         update = self._update(usable) if usable else {}
         update_seconds = time.perf_counter() - t0
         self.step += 1
-        lengths = [len(r.completion_ids) for g in batch.groups for r in g if r.error is None]
+        done = [r for g in batch.groups for r in g if r.error is None]
+        lengths = [r.generated for r in done]
         record = {"step": self.step, "reward_mean": _round(_mean(rewards_all)),
                   "reward_std": _round(_std(rewards_all)),
                   "solved": _round(_mean([float(s >= 1.0) for s in rewards_all])),
                   "completion_len": _round(_mean(lengths)), "truncated": sum(r.truncated for g in batch.groups
                                                                              for r in g),
-                  "groups_dropped": dropped, "groups_empty": empty, "trained_sequences": len(usable),
+                  "turns": _round(_mean([r.turns for r in done])), "tool_calls": sum(r.tool_calls for r in done),
+                  "tool_errors": sum(r.tool_errors for r in done), "groups_dropped": dropped, "groups_empty": empty, "trained_sequences": len(usable),
                   "rollout_seconds": round(batch.seconds, 3), "rollout_tokens_per_s": round(batch.tokens_per_s, 1),
                   "update_seconds": round(update_seconds, 3), "lr": self.optimizer.lr(), **update}
         return record
@@ -180,7 +187,8 @@ class RLTrainer:
         self.model.set_numerics(FP32).eval()
         try:
             return generate_groups(self.runtime, tasks, group_size, self.cfg.max_tokens, temperature,
-                                   tuple(self.cfg.stop or ()), self.cfg.seed, step)
+                                   tuple(self.cfg.stop or ()), self.cfg.seed, step, self.cfg.max_turns,
+                                   self.chat_format)
         finally:
             self.model.set_numerics(FINETUNE).train()
 
@@ -192,7 +200,7 @@ class RLTrainer:
         score = self.reward(rollout.task, rollout.text)
         if score.problem is not None and score.value == 0:
             log.info("%s: reward 0: %s", rollout.task.where, score.problem)
-        return score.value + overlong_penalty(len(rollout.completion_ids), self.cfg.max_tokens,
+        return score.value + overlong_penalty(rollout.generated, self.cfg.max_tokens,
                                               self.cfg.overlong_buffer)
 
     def evaluate(self) -> dict[str, Any]:
@@ -216,7 +224,8 @@ class RLTrainer:
             if cfg.kl_coef:
                 with adapters_off(self.model):
                     ref = self._logprobs([r for r, _ in samples], grad=False)
-        sampler_gap = _mean([abs(a - b) for (r, _), lp in zip(samples, old) for a, b in zip(r.logprobs, lp.tolist())])
+        sampler_gap = _mean([abs(a - b) for (r, _), lp in zip(samples, old)
+                             for a, b, t in zip(r.logprobs, lp.tolist(), r.trained) if t])
         order = list(range(len(samples)))
         random.Random(cfg.seed * 104_729 + self.step).shuffle(order)
         minibatches = [order[i::cfg.updates_per_step] for i in range(cfg.updates_per_step)]
@@ -225,7 +234,7 @@ class RLTrainer:
         self.optimizer.set_lr_multiplier(self.schedule.multiplier(self.step))
         for minibatch in (m for m in minibatches if m):
             self.optimizer.zero_grad()
-            mask_total = sum(len(samples[i][0].completion_ids) for i in minibatch)
+            mask_total = sum(samples[i][0].generated for i in minibatch)
             normalizer = float(mask_total) if cfg.aggregation == "token" else float(len(minibatch))
             for start in range(0, len(minibatch), cfg.micro_batch):
                 part = minibatch[start:start + cfg.micro_batch]
@@ -282,9 +291,10 @@ class RLTrainer:
         lengths = [len(r.completion_ids) for r in rollouts]
         logp, entropy = completion_logprobs(logits, ids.to(logits.device), starts, lengths, width,
                                             self.cfg.temperature)
-        mask = torch.arange(width, device=logp.device).unsqueeze(0) < torch.tensor(lengths, device=logp.device) \
-            .unsqueeze(1)
-        return logp, entropy, mask
+        mask = torch.zeros(len(rollouts), width, dtype=torch.bool)  # the tokens the model wrote
+        for i, r in enumerate(rollouts):
+            mask[i, :len(r.trained)] = torch.tensor(r.trained, dtype=torch.bool)
+        return logp, entropy, mask.to(logp.device)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def _save(self) -> Path:
