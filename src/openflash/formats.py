@@ -136,6 +136,9 @@ def e4m3_round(x: Tensor) -> Tensor:
     return torch.copysign(r, xf)
 
 
+FP8_BLOCK = 32  # the dense linears' FP8 weights: one UE8M0 scale per FP8_BLOCK x FP8_BLOCK tile
+
+
 def e4m3_encode(x: Tensor) -> Tensor:
     """Float tensor -> E4M3 codes (uint8): RNE, saturating at ±448, NaN -> 0x7F (with the input's sign bit)."""
     r = e4m3_round(x)
@@ -383,7 +386,7 @@ def cache_entry_bytes(kind: str, dim: int) -> int:
 # Weight formats (checkpoint.md §4)
 
 
-def quantize_fp8_blocks(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+def quantize_fp8_blocks(w: Tensor, block: int = FP8_BLOCK) -> tuple[Tensor, Tensor]:
     """Dense weight [N, K] -> (E4M3 codes uint8 [N, K], UE8M0 bytes [ceil(N/b), ceil(K/b)]) with the smallest
     power-of-two scale per b x b tile such that amax/scale <= 448 (ragged edge tiles cover only the real elements)."""
     if w.dim() != 2:
@@ -399,7 +402,7 @@ def quantize_fp8_blocks(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     return q.view(gn * block, gk * block)[:n, :k].contiguous(), _ue8m0_from_pow2(s)
 
 
-def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: int = 32) -> Tensor:
+def dequantize_fp8_blocks(q: Tensor, scale: Tensor, block: int = FP8_BLOCK) -> Tensor:
     """W[n, k] = e4m3(q[n, k]) * 2^(scale[n//b, k//b] - 127) in fp32. q [..., N, K], scale [..., ceil(N/b), ceil(K/b)]
     (uint8 or the safetensors dtypes F8_E4M3 / F8_E8M0)."""
     if q.dim() < 2:

@@ -14,10 +14,12 @@ zero rows (a zero FP8 row adds nothing): they take no disk space and read back a
 the same tables are also written as sparse disk-tier table files in `engram_tables/` (what `openflash engram
 export` would write), so `--engram-placement disk` serves them without an export of ~100 GiB of zeros.
 
-Weights: dense and Engram projections N(0, 1/fan_in) quantized to the stored format; routed experts as uniformly
-random E2M1 codes with a per-tensor scale exponent that gives the same standard deviation (drawing gaussians for
-all 384 experts would take minutes per layer and changes nothing a benchmark measures); norms 1 + 0.1 N(0, 1),
-embeddings N(0, 1), mHC scales U(0.5, 1.5), biases and sinks small gaussians.
+Weights: dense and Engram projections N(0, 1/fan_in); those stored as FP8 with block scales get E4M3 codes drawn
+from a table of that distribution's quantiles under one power-of-two scale (what quantizing gaussians tile by tile
+gives, less the tile-to-tile scale variation, without encoding every value); routed experts as uniformly random
+E2M1 codes with a per-tensor scale exponent that gives the same standard deviation (drawing gaussians for all 384
+experts would take minutes per layer and changes nothing a benchmark measures); norms 1 + 0.1 N(0, 1), embeddings
+N(0, 1), mHC scales U(0.5, 1.5), biases and sinks small gaussians.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from openflash import formats
 from openflash.checkpoint import build_model, official_tensors
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
@@ -47,6 +50,7 @@ from openflash.tokenizer import needs_cut, preset_tokenizer
 
 _FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
+QUANTILES = 1 << 15  # levels of the table FP8 weight codes are drawn from
 
 
 @dataclass(frozen=True)
@@ -91,18 +95,45 @@ def cut_config(cfg: FlashConfig, layers: int | None = None, experts: int | None 
         cfg.replace(weight_dtype="fp8", expert_dtype="fp4")
 
 
+def _gaussian(shape: tuple[int, ...], mean: float, std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(shape).normal_(mean, std, generator=gen)
+
+
 def _random_float(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or leaf in ("q_weight", "k_weight"):
-        return 1 + 0.1 * torch.randn(shape, generator=gen)
+        return _gaussian(shape, 1.0, 0.1, gen)
     if name.endswith("hc_attn_scale") or name.endswith("hc_ffn_scale"):
         return 0.5 + torch.rand(shape, generator=gen)
     if leaf in ("attn_sink", "bias", "bias_vl") or "hc_" in leaf or name.startswith("image_"):
-        return 0.1 * torch.randn(shape, generator=gen)
+        return _gaussian(shape, 0.0, 0.1, gen)
     if name == "embed.weight" or name.endswith(".embed.weight"):
-        return torch.randn(shape, generator=gen)
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    return torch.randn(shape, generator=gen) * fan_in ** -0.5
+        return _gaussian(shape, 0.0, 1.0, gen)
+    return _gaussian(shape, 0.0, _fan_in(shape) ** -0.5, gen)
+
+
+def _fan_in(shape: tuple[int, ...]) -> int:
+    return shape[-1] if len(shape) > 1 else 1
+
+
+def _stored_as_fp8_blocks(name: str) -> bool:
+    """Whether the official layout stores this weight as FP8 codes with block scales (checkpoint.official_tensors
+    decides; asked with a 1 x 1 probe)."""
+    probe = official_tensors(name, torch.zeros(1, 1), "fp8")
+    return len(probe) == 2 and probe[name].dtype == torch.float8_e4m3fn and name.endswith("weight")
+
+
+def _random_fp8(shape: tuple[int, int], std: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes, UE8M0 block scales) of N(0, std): each code drawn from a table of QUANTILES quantiles of the
+    distribution, encoded under one power-of-two scale that keeps the most extreme at most 448."""
+    levels = torch.special.ndtri((torch.arange(QUANTILES, dtype=torch.float64) + 0.5) / QUANTILES) * std
+    exponent = math.ceil(math.log2(float(levels.abs().max()) / formats.E4M3_MAX))
+    table = formats.e4m3_encode((levels * 2.0 ** -exponent).float())
+    picks = torch.randint(0, QUANTILES, (math.prod(shape),), generator=gen, dtype=torch.int32)
+    codes = table.index_select(0, picks).view(shape)
+    b = formats.FP8_BLOCK
+    scale = torch.full((-(-shape[0] // b), -(-shape[1] // b)), 127 + exponent, dtype=torch.uint8)
+    return codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
 
 
 def _random_fp4(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, torch.Tensor]:
@@ -124,7 +155,10 @@ def _tensors_of(name: str, meta: torch.Tensor, gen: torch.Generator,
         t = _random_fp4(tuple(meta.shape), rng)
         return {name: t["weight"], name[: -len("weight")] + "scale": t["scale"]}
     if name.endswith("engram.embed.weight"):
-        return official_tensors(name, 0.5 * torch.randn(tuple(meta.shape), generator=gen), "fp8")
+        return official_tensors(name, _gaussian(tuple(meta.shape), 0.0, 0.5, gen), "fp8")
+    if meta.dim() == 2 and _stored_as_fp8_blocks(name):
+        codes, scale = _random_fp8(tuple(meta.shape), _fan_in(tuple(meta.shape)) ** -0.5, gen)
+        return {name: codes, name[: -len("weight")] + "scale": scale}
     return official_tensors(name, _random_float(name, tuple(meta.shape), gen), "fp8")
 
 
