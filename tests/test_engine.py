@@ -287,6 +287,10 @@ def test_a_shared_prompt_is_prefilled_once_and_each_twin_samples_its_own(plain):
         assert seq.output_logprobs == pytest.approx(single.output_logprobs, abs=1e-5)
     assert engine.metrics.prompt_tokens == 2 * 33 and engine.metrics.cached_prompt_tokens == 3 * 33
     assert [s.num_cached for s in seqs] == [0, 33, 33, 33, 0] and engine.factory.pool.blocks_in_use == 0
+    apart = LLMEngine(rt, EngineConfig(max_batch=8, prefill_chunk=16, max_step_tokens=32, prefix_cache=False,
+                                       share_prompts=False))
+    assert [s.output_ids for s in apart.generate([shared] * 4 + [other], params, ignore_eos=True)] == \
+        [s.output_ids for s in seqs] and apart.metrics.prompt_tokens == 5 * 33
 
     outs: dict[str, list] = {}
     lead, *twins = [engine.add_request(shared, sp, ignore_eos=True, on_output=lambda o: outs.setdefault(

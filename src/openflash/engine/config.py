@@ -27,6 +27,7 @@ class EngineConfig:
     prefill_batch: int = 16  # prompt chunks packed into one model call (1: one at a time)
     prefill_padding: float = 0.25  # most of a packed call that may be padding (0: only chunks of equal length)
     max_waiting: int = 256  # queued requests before add_request refuses (QueueFullError)
+    share_prompts: bool = True  # a prompt several requests share is prefilled once (scheduler.py: twins)
     prefill_mode: str = "bounded"  # CED bounded replay (architecture.md §7.3) or "exact"
     kv_storage: str = "fp32"  # "fp32" or "packed" (FP4 main KV, MXFP4 index keys, FP8 window rings)
     kv_block_size: int = 16  # compressed entries per pool block
@@ -82,7 +83,8 @@ class EngineConfig:
         return k
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting)
+        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting,
+                               self.share_prompts)
 
 
 def model_fingerprint(model: Transformer, config: EngineConfig) -> str:

@@ -29,6 +29,7 @@ class SchedulerConfig:
     max_step_tokens: int = 512  # prompt + decode tokens per step
     prefill_chunk: int = 128  # prompt chunk length; chunks end at multiples of it
     max_waiting: int = 256  # queue length before requests are refused
+    share_prompts: bool = True  # admit a waiting sequence as the twin of a prefilling one with its prompt
 
     def validate(self) -> "SchedulerConfig":
         for name in ("max_batch", "max_step_tokens", "prefill_chunk", "max_waiting"):
@@ -163,7 +164,8 @@ class Scheduler:
             budget -= sum(c.num_tokens for c in chunks)
         while self.waiting and self.num_active < self.config.max_batch:
             seq = self.waiting[0]
-            leader = next((p for p in self.prefilling if p.key_ids == seq.key_ids and p.adapter == seq.adapter), None)
+            leader = next((p for p in self.prefilling if p.key_ids == seq.key_ids and p.adapter == seq.adapter),
+                          None) if self.config.share_prompts else None
             if leader is None and plan.prefills and budget < min(self.config.prefill_chunk, seq.prompt_len):
                 break  # (a twin costs no budget)
             self.waiting.popleft()
