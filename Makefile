@@ -18,9 +18,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/openflash demo
 
-# One pytest worker per core (at most 8), a test file per worker at a time: module fixtures are built once.
+# One pytest worker per core (at most 8), a test file per worker at a time: module fixtures are built once. Files go
+# out in the order tests/conftest.py sorts them, heaviest first (xdist would otherwise order them by test count).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --maxprocesses 8 --dist loadfile
+	$(BIN)/python -m pytest -n auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,16 +20,20 @@ if not torch.cuda.is_available():
 from openflash.checkpoint import open_model  # noqa: E402 (after the switch above)
 
 
-SLOW = {"test_compiled", "test_experiments", "test_decode_graph", "test_placement_plan", "test_synth",
-        "test_expert_offload", "test_engram_placement", "test_server_chat", "test_speculative", "test_dspark_train",
-        "test_vision_train", "test_train_distributed", "test_lora_run", "test_lora_hostile", "test_trainer",
-        "test_demo", "test_parity", "test_checkpoint_compat", "test_weight_residency", "test_chats"}
+# Heaviest first (cold-cache seconds in `make test`, docs/benchmarks.md): pytest-xdist's loadfile hands whole files
+# to the workers in collection order, so the long ones start first and no worker is left alone with one at the end.
+SLOW = ("test_compiled", "test_experiments", "test_train_distributed", "test_trainer", "test_decode_graph",
+        "test_synth", "test_expert_offload", "test_placement_plan", "test_dspark_train", "test_lora_run",
+        "test_server_chat", "test_engram_placement", "test_demo", "test_parity", "test_speculative",
+        "test_vision_train", "test_lora_hostile", "test_checkpoint_compat", "test_weight_residency", "test_chats")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW)}
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW:
+        if item.module.__name__.rsplit(".", 1)[-1] in rank:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(SLOW)))  # stable: files stay whole
 
 
 def pytest_configure(config) -> None:
