@@ -259,7 +259,8 @@ def test_a_tool_episode_is_one_rollout_with_the_results_masked(tmp_path, caplog)
     assert gen.prompts[len(tasks) * 2] == want
     # The mask: the model's two turns trained, the template's tool turn between them not; logprobs aligned.
     fed = [i for i, t in zip(apple.completion_ids, apple.trained) if not t]
-    assert tok.decode(fed, skip_special_tokens=False) == "<｜User｜><tool_result>3</tool_result><｜Assistant｜></think>"
+    assert tok.decode(fed, skip_special_tokens=False) == \
+        "<｜User｜><tool_result>3</tool_result><｜Assistant｜></think>"
     assert apple.trained == [True] * (len(apple.completion_ids) - len(fed) - 2) + [False] * len(fed) + [True] * 2
     assert [lp for lp, t in zip(apple.logprobs, apple.trained) if not t] == [0.0] * len(fed)
     assert apple.generated == len(apple.completion_ids) - len(fed) and batch.tokens == 2 * sum(

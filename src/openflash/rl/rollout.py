@@ -103,7 +103,7 @@ def generate_groups(runtime: EngineRuntime, tasks: list[Task], group_size: int, 
     engine = LLMEngine(runtime, EngineConfig(max_batch=min(MAX_BATCH, len(tasks) * group_size),
                                              max_context=context, prefill_mode="exact",
                                              max_waiting=len(tasks) * group_size + 1))
-    return run_episodes(engine, runtime.tokenizer, fmt, runtime.cfg.eos_token_id, context, tasks, group_size,
+    return run_episodes(engine, runtime.tokenizer, fmt, runtime.model.cfg.eos_token_id, context, tasks, group_size,
                         max_tokens, temperature, stop, run_seed, step, max_turns)
 
 

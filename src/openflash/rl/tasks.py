@@ -76,8 +76,9 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
             environment = None
             if "environment" in record:
                 if not (chat and options.tools) or fmt is None or fmt.name == "simple":
+                    template = fmt.name if fmt is not None else "none: a text task"
                     raise OpenflashError("'environment' needs a chat task with 'tools' and a chat template with a "
-                                         f"tool-call syntax (this model's is {fmt.name if fmt else 'none: a text task'})")
+                                         f"tool-call syntax (this model's is {template})")
                 spec = record["environment"]
                 if not isinstance(spec, str):
                     raise OpenflashError(f"'environment' must be a MODULE:FUNCTION string, got {spec!r}")

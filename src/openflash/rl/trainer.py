@@ -176,7 +176,8 @@ class RLTrainer:
                   "completion_len": _round(_mean(lengths)), "truncated": sum(r.truncated for g in batch.groups
                                                                              for r in g),
                   "turns": _round(_mean([r.turns for r in done])), "tool_calls": sum(r.tool_calls for r in done),
-                  "tool_errors": sum(r.tool_errors for r in done), "groups_dropped": dropped, "groups_empty": empty, "trained_sequences": len(usable),
+                  "tool_errors": sum(r.tool_errors for r in done), "groups_dropped": dropped, "groups_empty": empty,
+                  "trained_sequences": len(usable),
                   "rollout_seconds": round(batch.seconds, 3), "rollout_tokens_per_s": round(batch.tokens_per_s, 1),
                   "update_seconds": round(update_seconds, 3), "lr": self.optimizer.lr(), **update}
         return record
