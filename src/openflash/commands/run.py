@@ -1,20 +1,21 @@
 """`openflash generate` and `serve`: running a model.
 
-Each handler takes the parsed arguments and returns an exit code (cli.py declares the arguments)."""
+Each handler takes the parsed arguments and returns an exit code (cli.py declares the arguments). The flags are
+checked before torch is imported (seconds), so a wrong one is refused at once."""
 
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from openflash.checkpoint import open_model
-from openflash.engine.generate import generate as generate_text
-from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
 from openflash.placement import Placement
-from openflash.runtime import Runtime
+
+if TYPE_CHECKING:
+    from openflash.engine.sampling import SamplingParams
+    from openflash.runtime import Runtime
 
 log = logging.getLogger("openflash.serve")
 
@@ -22,6 +23,8 @@ log = logging.getLogger("openflash.serve")
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
     placement, group = _placed(args)
+    from openflash.checkpoint import open_model
+
     loaded = open_model(args.model, args.tokenizer, args.numerics, placement, verify=args.verify, expert_group=group)
     if args.lora is not None:
         loaded.load_adapters({"adapter": args.lora}, verify=args.verify)
@@ -56,6 +59,9 @@ def _placed(args: Any) -> tuple[Placement, Any]:
 
 
 def _generate(loaded: Runtime, args: Any) -> int:
+    from openflash.engine.generate import generate as generate_text
+    from openflash.engine.sampling import SamplingParams
+
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     ids, images = loaded.prompt_ids(args.prompt if args.prompt_ids is None else args.prompt_ids, args.image)
@@ -122,6 +128,7 @@ def serve(args: Any) -> int:
     import uvicorn
 
     from openflash.chat import chat_format
+    from openflash.checkpoint import open_model
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.engine.lockstep import Lockstep
