@@ -134,7 +134,7 @@ def test_sampled_logprobs_match_the_forward(tiny):
 
 # ---- tasks and rewards --------------------------------------------------------------------------------------------
 def _task(fields: dict, chat: bool = False) -> Task:
-    return Task("t.jsonl:1", (1, 2), chat, False, fields)
+    return Task("t.jsonl:1", (1, 2), chat, fields)
 
 
 def test_tasks_name_bad_lines_and_keep_the_good(tiny, tmp_path, caplog):

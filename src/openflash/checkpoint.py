@@ -401,6 +401,16 @@ def _materialize_runtime_buffers(model: Transformer, device: str | torch.device)
 
 # ---- writing -------------------------------------------------------------------------------------------------
 
+def stored_as_fp8_blocks(name: str) -> bool:
+    """The official layout keeps this weight as FP8 codes with FP8_BLOCK-square UE8M0 scales (a dense linear)."""
+    return _FP8_LINEAR.search(name) is not None
+
+
+def stored_as_fp4(name: str) -> bool:
+    """The official layout keeps this weight as MXFP4 (a routed expert's)."""
+    return _FP4_EXPERT.search(name) is not None
+
+
 def official_tensors(name: str, tensor: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """The tensor(s) stored for one state_dict entry. dtype: fp32 (as trained), bf16, or fp8 (official layout:
     FP8 dense linears, FP4 routed experts, FP8 Engram rows, bf16 elsewhere, F32 for the fp32 params)."""
@@ -410,10 +420,10 @@ def official_tensors(name: str, tensor: torch.Tensor, dtype: str) -> dict[str, t
     if dtype == "fp32" or _F32_NAMES.search(name):
         return {name: t.float().contiguous()}
     if dtype == "fp8":
-        if _FP8_LINEAR.search(name):
+        if stored_as_fp8_blocks(name):
             q, s = formats.quantize_fp8_blocks(t.float())
             return {name: q.view(torch.float8_e4m3fn), name[:-len("weight")] + "scale": s.view(torch.float8_e8m0fnu)}
-        if _FP4_EXPERT.search(name):
+        if stored_as_fp4(name):
             packed, s = formats.quantize_mxfp4(t.float())
             return {name: packed.view(torch.int8), name[:-len("weight")] + "scale": s.view(torch.float8_e8m0fnu)}
         if name.endswith("engram.embed.weight"):

@@ -36,11 +36,15 @@ class Task:
     where: str  # file:line
     prompt_ids: tuple[int, ...]  # what the model is given
     chat: bool  # rendered with the chat template: the reply's answer part is what `exact` compares
-    thinking: bool  # the chat prompt opened a reasoning part
     fields: dict[str, Any] = field(default_factory=dict, hash=False)  # the line's object (answer, tests, ...)
     turns: tuple[Turn, ...] = ()  # a chat task's conversation, and its options (tools, thinking)
     options: ChatOptions = field(default_factory=ChatOptions, hash=False)
     environment: ToolEnvironment | None = field(default=None, hash=False)  # answers its tool calls
+
+    @property
+    def thinking(self) -> bool:
+        """The chat prompt opened a reasoning part."""
+        return self.options.thinking
 
 
 def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: int | None,
@@ -85,7 +89,7 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
                 if spec not in environments:
                     environments[spec] = ToolEnvironment(spec, import_function(spec, "'environment'"))
                 environment = environments[spec]
-            tasks.append(Task(where, tuple(ids), chat, options.thinking, record, tuple(turns), options, environment))
+            tasks.append(Task(where, tuple(ids), chat, record, tuple(turns), options, environment))
         except OpenflashError as exc:
             bad.append(f"{where}: {exc}")
     if bad:

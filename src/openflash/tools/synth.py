@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from openflash import formats
-from openflash.checkpoint import build_model, official_tensors
+from openflash.checkpoint import build_model, official_tensors, stored_as_fp4, stored_as_fp8_blocks
 from openflash.config import FlashConfig, load_config
 from openflash.errors import OpenflashError
 from openflash.files.atomic import write_text_atomic
@@ -48,7 +47,6 @@ from openflash.memory.checkpoint_tables import read_engram_spec
 from openflash.memory.table_file import TableHeader, table_file_name
 from openflash.tokenizer import needs_cut, preset_tokenizer
 
-_FP4_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
 QUANTILES = 1 << 15  # levels of the table FP8 weight codes are drawn from
 
@@ -116,13 +114,6 @@ def _fan_in(shape: tuple[int, ...]) -> int:
     return shape[-1] if len(shape) > 1 else 1
 
 
-def _stored_as_fp8_blocks(name: str) -> bool:
-    """Whether the official layout stores this weight as FP8 codes with block scales (checkpoint.official_tensors
-    decides; asked with a 1 x 1 probe)."""
-    probe = official_tensors(name, torch.zeros(1, 1), "fp8")
-    return len(probe) == 2 and probe[name].dtype == torch.float8_e4m3fn and name.endswith("weight")
-
-
 def _random_fp8(shape: tuple[int, int], std: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 codes, UE8M0 block scales) of N(0, std): each code drawn from a table of QUANTILES quantiles of the
     distribution, encoded under one power-of-two scale that keeps the most extreme at most 448."""
@@ -151,12 +142,12 @@ def _tensors_of(name: str, meta: torch.Tensor, gen: torch.Generator,
     the routed experts: random codes, not quantized gaussians)."""
     if name.endswith(".scale"):
         return {}  # written with its weight
-    if _FP4_EXPERT.search(name):
+    if stored_as_fp4(name):
         t = _random_fp4(tuple(meta.shape), rng)
         return {name: t["weight"], name[: -len("weight")] + "scale": t["scale"]}
     if name.endswith("engram.embed.weight"):
         return official_tensors(name, _gaussian(tuple(meta.shape), 0.0, 0.5, gen), "fp8")
-    if meta.dim() == 2 and _stored_as_fp8_blocks(name):
+    if meta.dim() == 2 and stored_as_fp8_blocks(name):
         codes, scale = _random_fp8(tuple(meta.shape), _fan_in(tuple(meta.shape)) ** -0.5, gen)
         return {name: codes, name[: -len("weight")] + "scale": scale}
     return official_tensors(name, _random_float(name, tuple(meta.shape), gen), "fp8")
