@@ -19,10 +19,11 @@ E4M3_CODES = [c for c in range(256) if c & 0x7F != 0x7F]  # every code but the t
 EXTREME_SCALES = [0, 1, 2, 100, 126, 127, 128, 160, 200]  # UE8M0 bytes: 2^-127 (subnormal) .. 2^73
 
 
-@pytest.fixture(params=["best", "avx2"])
+@pytest.fixture(params=["best", "avx2", "avx2-float"])
 def isa(request, monkeypatch):
-    """The instruction set the products use (OPENFLASH_KERNELS; status() is read again under it)."""
-    monkeypatch.setenv("OPENFLASH_KERNELS", "1" if request.param == "best" else "avx2")
+    """The instruction set the products use (OPENFLASH_KERNELS; status() is read again under it). avx2-float keeps
+    AVX2's FP4 products with QDQ'd activations in floats, where avx2 takes one row in integers."""
+    monkeypatch.setenv("OPENFLASH_KERNELS", "1" if request.param == "best" else request.param)
     native.status.cache_clear()
     yield request.param
     native.status.cache_clear()  # monkeypatch restores the variable after this: the next status() reads it afresh
@@ -69,8 +70,40 @@ def test_every_code_decodes_as_the_format_says(act_qdq, isa):
     got = torch.cat([native.fp8_gemv(eye[i:i + 16], codes, unit, act_qdq) for i in range(0, len(eye), 16)])
     assert torch.equal(got[:, 0], formats.e4m3_decode(codes[0, : len(E4M3_CODES)]))
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 256)  # every (low, high) nibble pair
-    got = torch.cat([native.fp4_gemv(torch.eye(512)[i:i + 16], packed, unit, act_qdq) for i in range(0, 512, 16)])
-    assert torch.equal(got[:, 0], formats.dequantize_mxfp4(packed, unit)[0])
+    for rows in (16, 1):  # AVX2 with the QDQ: one row in integers (avx2.c), more in floats
+        got = torch.cat([native.fp4_gemv(torch.eye(512)[i:i + rows], packed, unit, act_qdq)
+                         for i in range(0, 512, rows)])
+        assert torch.equal(got[:, 0], formats.dequantize_mxfp4(packed, unit)[0]), rows
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_every_e4m3_activation_meets_every_e2m1_weight(rows, isa):
+    """The integer FP4 products (AVX2, QDQ'd activations) hold |E4M3 value| * 512 in three 6-bit planes: every
+    E4M3 code as an activation (one 32-group each, the group's scale set by a 448 beside it) against every nibble."""
+    codes = formats.e4m3_decode(torch.tensor(E4M3_CODES, dtype=torch.uint8))
+    x = torch.zeros(len(codes), 32)
+    x[:, 0], x[:, 1] = codes, 448.0  # a unit activation scale: the code is its own QDQ
+    packed = torch.zeros(256, 16, dtype=torch.uint8)  # K = 32: output o's first byte is the nibble pair o
+    packed[:, 0] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    unit = torch.full((256, 1), 127, dtype=torch.uint8)
+    w = formats.dequantize_mxfp4(packed, unit)
+    got = torch.cat([native.fp4_gemv(x[i:i + rows], packed, unit, True) for i in range(0, len(x), rows)])
+    _close(got, x @ w.t())
+    assert torch.equal(got - 448.0 * w[:, 1], codes[:, None] * w[None, :, 0])  # each product exactly
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_value_that_is_not_finite_makes_its_row_not_finite(rows, isa):
+    """NaN and inf activations give non-finite products, never finite garbage (the integer path has no NaN)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, 64, generator=g)
+    x[0, 3] = float("nan")
+    x[-1, 40] = float("inf") if rows > 1 else float("nan")
+    packed, s4 = _fp4_weight(8, 64, g, scales=[127])
+    q, s8 = _fp8_weight(8, 64, g, scales=[127])
+    for y in (native.fp4_gemv(x, packed, s4, True), native.fp8_gemv(x, q, s8, True)):
+        assert not torch.isfinite(y[0]).any() and not torch.isfinite(y[-1]).any()
+        assert torch.isfinite(y[1:-1]).all()
 
 
 def test_bf16_products_and_rows_not_divisible_by_the_vector_width():
@@ -222,10 +255,11 @@ def test_the_kernel_choice_is_named(monkeypatch):
     monkeypatch.setenv("OPENFLASH_KERNELS", "avx2")
     native.status.cache_clear()
     try:
-        assert native.status().isa == native.ISA_AVX2 and native.status().reason.startswith("AVX2 kernels")
+        assert native.status().isa == native.ISA_AVX2 | native.ISA_INTEGER_FP4
+        assert native.status().reason.startswith("AVX2 (FP4 after the activation QDQ in integers) kernels")
         monkeypatch.setenv("OPENFLASH_KERNELS", "fast")
         native.status.cache_clear()
-        with pytest.raises(ValueError, match="OPENFLASH_KERNELS='fast': expected 0 \\(off\\), avx2 or 1"):
+        with pytest.raises(ValueError, match="OPENFLASH_KERNELS='fast': expected 0 \\(off\\), avx2, avx2-float or 1"):
             native.status()
     finally:
         monkeypatch.undo()

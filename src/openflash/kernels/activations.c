@@ -49,22 +49,60 @@ AVX2 INLINE __m256 e4m3_round8(__m256 q) {
 }
 
 /* Per 32 channels: s = pow2ceil(max(amax, 1e-4) * fp32(1/448)), x -> e4m3(clamp(x / s, +-448)) * s. x / s is
- * x * (1 / s), both exact scalings by a power of two. min/max take q second so that NaN passes through. */
-AVX2 void qdq_activations(const float *x, float *out, int rows, int K) {
-    const float inv448 = (float)(1.0 / 448.0);
+ * x * (1 / s), both exact scalings by a power of two. min/max take q second so that NaN passes through. Returns s
+ * and the E4M3 values (before the times s) in q. */
+AVX2 INLINE float qdq_group(const float *x, __m256 q[4]) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(q[i], magnitude));
+    }
+    float s = pow2_ceil(fmaxf(hmax(m), 1e-4f) * (float)(1.0 / 448.0));
+    __m256 inv = _mm256_set1_ps(1.0f / s);
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f),
+                                                                        _mm256_mul_ps(q[i], inv)));
+        q[i] = e4m3_round8(v);
+    }
+    return s;
+}
+
+AVX2 void qdq_activations(const float *x, float *out, int rows, int K) {
     for (long g = 0; g < (long)rows * K; g += 32) {
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + g + 8 * i);
-            m = _mm256_max_ps(m, _mm256_and_ps(v[i], magnitude));
-        }
-        float s = pow2_ceil(fmaxf(hmax(m), 1e-4f) * inv448);
-        __m256 inv = _mm256_set1_ps(1.0f / s), scale = _mm256_set1_ps(s);
-        for (int i = 0; i < 4; i++) {
-            __m256 q = _mm256_mul_ps(v[i], inv);
-            q = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), q));
-            _mm256_storeu_ps(out + g + 8 * i, _mm256_mul_ps(e4m3_round8(q), scale));
+        __m256 q[4];
+        const __m256 scale = _mm256_set1_ps(qdq_group(x + g, q));
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + g + 8 * i, _mm256_mul_ps(q[i], scale));
+    }
+}
+
+/* avx2.c's integer FP4 products read each 32-group of a QDQ'd row as |E4M3 value| * 512 (an integer below 2^18)
+ * in three 6-bit planes, VPMADDUBSW's unsigned operand, and its sign (+1, -1, 0) in a fourth, byte p holding
+ * element 2p (p < 16) or 2 (p - 16) + 1 (the decoder's order); the row's scales / 1024 (for the 512 and the weights'
+ * factor of 2) follow its planes. x is QDQ'd here (again: QDQ'd values are their own QDQ). A group with a value
+ * that is not finite gets a NaN scale, so that its products are NaN as the float ones would be. */
+size_t int_planes_bytes(int K) { return (size_t)(K / 32) * (128 + sizeof(float)); }
+
+AVX2 void fp4_int_planes(const float *x, uint8_t *out, int rows, int K) {
+    const int G = K / 32;
+    for (int r = 0; r < rows; r++) {
+        uint8_t *planes = out + (size_t)r * int_planes_bytes(K);
+        float *scales = (float *)(planes + (size_t)G * 128);
+        for (int g = 0; g < G; g++) {
+            __m256 q[4];
+            float v[32];
+            const float s = qdq_group(x + (size_t)r * K + 32 * g, q);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(v + 8 * i, _mm256_mul_ps(q[i], _mm256_set1_ps(512.0f)));
+            uint8_t *p = planes + (size_t)g * 128;
+            int finite = 1;
+            for (int b = 0; b < 32; b++) {
+                const float a = v[b < 16 ? 2 * b : 2 * (b - 16) + 1];
+                finite &= fabsf(a) <= 448.0f * 512.0f;
+                const int32_t n = finite ? (int32_t)fabsf(a) : 0;
+                p[b] = n & 63, p[32 + b] = (n >> 6) & 63, p[64 + b] = (uint8_t)(n >> 12);
+                p[96 + b] = (uint8_t)(a > 0 ? 1 : (a < 0 ? -1 : 0));
+            }
+            scales[g] = finite ? s * (1.0f / 1024.0f) : NAN;
         }
     }
 }

@@ -9,7 +9,8 @@
  * = pow2ceil(max(amax, 1e-4) * fp32(1/448))) applied to x inside the call, as formats.act_quant_qdq does it.
  *
  * The entry points below prepare the activations (activations.c) and call one instruction set's products: avx512.c
- * where the caller's `isa` allows it, the CPU has it and the activations are QDQ'd (so exact in bf16), else avx2.c.
+ * where the caller's `isa` allows it, the CPU has it and the activations are QDQ'd (so exact in bf16), else avx2.c,
+ * whose FP4 products of one QDQ'd row run in integers where `isa` has ISA_INTEGER_FP4 (exact per 32-group).
  * The caller (kernels/native.py) keeps the PyTorch path where of_cpu_features() lacks AVX2.
  */
 #include <math.h>
@@ -50,7 +51,9 @@ static void bf16_pairs(const float *x, void *out, int rows, int K) { fp4_bf16_pa
 static size_t bf16_pairs_bytes(int K) { return bf16_pairs_width(K) * sizeof(uint16_t); }
 
 static const Fp4Path AVX2_FP4 = {avx2_fp4_dot, lane_order, lane_order_bytes};
+static void int_planes(const float *x, void *out, int rows, int K) { fp4_int_planes(x, out, rows, K); }
 static const Fp4Path AVX512_FP4 = {avx512_fp4_dot, bf16_pairs, bf16_pairs_bytes};
+static const Fp4Path AVX2_FP4_INT = {avx2_fp4_int_dot, int_planes, int_planes_bytes}; /* QDQ'd activations */
 
 /* ---- the routed experts of one MoE layer in one call (FP4) ----------------------------------------------------
  * For each (token, expert) pair p, in the order given (pairs of one expert together, experts ascending):
@@ -96,20 +99,26 @@ static void fp4_experts(const Fp4Path *path, const char *x, int K, int I, const 
 int of_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K, int act_qdq,
                 int isa, int threads) {
     if (!(of_cpu_features() & ISA_AVX2) || R < 1 || R > MAX_ROWS || K % 32) return -1;
-    const int bf16 = bf16_products(isa, act_qdq);
-    float *q = scratch((size_t)R * K * sizeof(float));
+    const int bf16 = bf16_products(isa, act_qdq), integer = !bf16 && act_qdq && R == 1 && (isa & ISA_INTEGER_FP4);
+    const size_t bytes = integer ? (size_t)R * int_planes_bytes(K) : (size_t)R * K * sizeof(float);
+    float *q = scratch(bytes);
     uint16_t *xb = bf16 ? scratch((size_t)R * bf16_pairs_bytes(K)) : NULL;
     if (!q || (bf16 && !xb)) {
         free(q), free(xb);
         return -2;
     }
-    if (act_qdq) qdq_activations(x, q, R, K);
-    if (bf16) {
+    const int t = threads_for((long)R * N * K, threads);
+    if (integer) {
+        fp4_int_planes(x, (uint8_t *)q, R, K);
+        avx2_fp4_int_gemv((const uint8_t *)q, w, scale, y, N, K, t);
+    } else if (bf16) {
+        qdq_activations(x, q, R, K);
         fp4_bf16_pairs(q, xb, R, K);
-        avx512_fp4_gemv(xb, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
+        avx512_fp4_gemv(xb, w, scale, y, R, N, K, t);
     } else {
+        if (act_qdq) qdq_activations(x, q, R, K);
         fp4_lane_order(act_qdq ? q : x, q, R, K);
-        avx2_fp4_gemv(q, w, scale, y, R, N, K, threads_for((long)R * N * K, threads));
+        avx2_fp4_gemv(q, w, scale, y, R, N, K, t);
     }
     free(q), free(xb);
     return 0;
@@ -153,7 +162,9 @@ int of_fp4_experts(const float *x, int T, int K, int I, const uint8_t *const *w1
                    const uint8_t *const *s2, int P, const int64_t *token, const int64_t *expert, const float *weight,
                    float limit, int act_qdq, int isa, float *y, int threads) {
     if (!(of_cpu_features() & ISA_AVX2) || T < 1 || P < 1 || K % 32 || I % 32) return -1;
-    const Fp4Path *path = bf16_products(isa, act_qdq) ? &AVX512_FP4 : &AVX2_FP4;
+    const Fp4Path *path = bf16_products(isa, act_qdq)         ? &AVX512_FP4
+                          : act_qdq && (isa & ISA_INTEGER_FP4) ? &AVX2_FP4_INT
+                                                               : &AVX2_FP4;
     float *q = scratch((size_t)T * K * sizeof(float)), *h = scratch((size_t)P * I * sizeof(float));
     float *out = scratch((size_t)P * K * sizeof(float));
     char *xp = scratch((size_t)T * path->row_bytes(K)), *hp = scratch((size_t)P * path->row_bytes(I));

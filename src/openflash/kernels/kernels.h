@@ -39,7 +39,9 @@
             DISPATCH_ROWS(call)                                                                                \
         }
 
-enum { ISA_AVX2 = 1, ISA_AVX512_BF16 = 2 }; /* of_cpu_features() bits; the `isa` argument of the entry points */
+/* of_cpu_features() bits, and the `isa` argument of the entry points: ISA_INTEGER_FP4 lets AVX2 take FP4 products
+ * with QDQ'd activations in integers (avx2.c), the default; without it they stay in floats (their oracle). */
+enum { ISA_AVX2 = 1, ISA_AVX512_BF16 = 2, ISA_INTEGER_FP4 = 4 };
 
 extern float UE8M0[256]; /* byte -> 2^(byte - 127) (0: 2^-127, subnormal; 255: NaN), read-only once loaded */
 
@@ -49,13 +51,18 @@ void fp4_lane_order(const float *x, float *out, int rows, int K);  /* avx2.c's F
 size_t bf16_pairs_width(int K);                                    /* bf16 per row of the AVX-512 FP4 layout */
 void fp4_bf16_pairs(const float *x, uint16_t *out, int rows, int K);
 void to_bf16(const float *x, uint16_t *out, size_t n); /* truncation: exact for QDQ'd values */
+size_t int_planes_bytes(int K);                                    /* bytes per row of fp4_int_planes */
+void fp4_int_planes(const float *x, uint8_t *out, int rows, int K); /* QDQ'd, for avx2.c's integer FP4 */
 
-/* avx2.c: fp32 activations, lane order for FP4, times 256 for FP8 */
+/* avx2.c: fp32 activations, lane order for FP4, times 256 for FP8; fp4_int_planes for the integer FP4 */
 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
                    int threads);
 float avx2_fp4_dot(const uint8_t *wrow, const uint8_t *srow, const void *x, int K);
 void avx2_fp8_gemv(const float *x, const uint8_t *w, const uint8_t *scale, float *y, int R, int N, int K,
                    int threads);
+void avx2_fp4_int_gemv(const uint8_t *x, const uint8_t *w, const uint8_t *scale, float *y, int N, int K,
+                       int threads); /* one row */
+float avx2_fp4_int_dot(const uint8_t *wrow, const uint8_t *srow, const void *x, int K);
 void avx2_bf16_gemv(const float *x, const uint16_t *w, float *y, int R, int N, int K, int threads);
 
 /* avx512.c: QDQ'd activations in bf16 (exact), fp4_bf16_pairs for FP4, natural order for FP8 */

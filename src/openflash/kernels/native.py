@@ -4,12 +4,14 @@ The C files are compiled once per source version with the system C compiler (the
 into the cache folder ($OPENFLASH_CACHE/kernels, else ~/.cache/openflash/kernels): by `make setup`
 (`python -m openflash.kernels`) or at first use, and loaded with ctypes. The instruction set is chosen once, at
 run time, on the CPU's flags: AVX-512 with its bf16 dot product (avx512.c) where the CPU has it, else AVX2 + FMA +
-F16C (avx2.c); OPENFLASH_KERNELS=avx2 keeps to the second, OPENFLASH_KERNELS=0 turns the kernels off. The ops are
+F16C (avx2.c), whose one-row FP4 products with QDQ'd activations run in integers; OPENFLASH_KERNELS=avx2
+keeps to AVX2, avx2-float to AVX2 in floats only, 0 turns the kernels off. The ops are
 torch custom ops with fake implementations, so a traced graph calls them as single nodes. Where the library cannot
 be built, or the CPU lacks AVX2, `status()` says why and `model/layers.py` keeps its PyTorch path, which is also
 what every kernel test compares against.
 
-Results equal dequantize-then-fp32-matmul to fp32 summation order (lanes, then a horizontal sum).
+Results equal dequantize-then-fp32-matmul to fp32 summation order (lanes, then a horizontal sum); the integer
+products sum each 32-group exactly before the one rounding of its scale.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ log = logging.getLogger("openflash.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "activations.c", "avx2.c", "avx512.c")]
 HEADER = Path(__file__).with_name("kernels.h")
-ISA_AVX2, ISA_AVX512_BF16 = 1, 2  # kernels.h: of_cpu_features() bits, the `isa` argument of the entry points
+ISA_AVX2, ISA_AVX512_BF16, ISA_INTEGER_FP4 = 1, 2, 4  # kernels.h: of_cpu_features() bits, the entry points' `isa`
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 MAX_ROWS = 16  # activation rows per call (decode, batched decode, speculative verification)
 BLOCK = 32  # K per UE8M0 scale block (FP8 and FP4); every kernel takes whole blocks
@@ -84,10 +86,11 @@ def build() -> Path:
 @lru_cache(maxsize=None)
 def status() -> Status:
     """The loaded library, built first if needed (once per process), and the instruction sets it may use; or why
-    there is none. OPENFLASH_KERNELS: 0 (off), avx2 (no AVX-512 even where the CPU has it), 1 or unset (the best)."""
+    there is none. OPENFLASH_KERNELS: 0 (off), avx2 (no AVX-512 even where the CPU has it), avx2-float (AVX2 with
+    FP4 products in floats only: the integer ones' baseline), 1 or unset (the best)."""
     choice = os.environ.get("OPENFLASH_KERNELS", "1")
-    if choice not in ("0", "1", "avx2"):
-        raise ValueError(f"OPENFLASH_KERNELS={choice!r}: expected 0 (off), avx2 or 1 (the best this CPU has)")
+    if choice not in ("0", "1", "avx2", "avx2-float"):
+        raise ValueError(f"OPENFLASH_KERNELS={choice!r}: expected 0 (off), avx2, avx2-float or 1 (the best this CPU has)")
     if choice == "0":
         return Status(None, "turned off by OPENFLASH_KERNELS=0")
     if not (torch.backends.cpu.get_cpu_capability() or "").startswith(("AVX2", "AVX512")):
@@ -107,8 +110,9 @@ def status() -> Status:
     ptrs = ctypes.POINTER(ctypes.c_void_p)
     lib.of_fp4_experts.argtypes = [p, i, i, i, ptrs, ptrs, ptrs, ptrs, ptrs, ptrs, i, p, p, p, ctypes.c_float, i, i,
                                    p, i]
-    isa = features if choice == "1" else ISA_AVX2
-    names = "AVX-512 BF16 (FP8/FP4 after the activation QDQ) and AVX2" if isa & ISA_AVX512_BF16 else "AVX2"
+    isa = {"1": features | ISA_INTEGER_FP4, "avx2": ISA_AVX2 | ISA_INTEGER_FP4, "avx2-float": ISA_AVX2}[choice]
+    names = ("AVX-512 BF16 (FP8/FP4 after the activation QDQ) and AVX2" if isa & ISA_AVX512_BF16
+             else "AVX2 (FP4 after the activation QDQ in integers)" if isa & ISA_INTEGER_FP4 else "AVX2 (floats only)")
     return Status(lib, f"{names} kernels from {library_path()}", isa)
 
 
@@ -282,4 +286,4 @@ def available() -> bool:
 
 
 __all__ = ["Status", "status", "build", "library_path", "available", "fp8_gemv", "fp4_gemv", "bf16_gemv", "fp4_experts",
-           "MAX_ROWS", "ISA_AVX2", "ISA_AVX512_BF16"]
+           "MAX_ROWS", "ISA_AVX2", "ISA_AVX512_BF16", "ISA_INTEGER_FP4"]
