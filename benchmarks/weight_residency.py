@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import open_model, resident_bytes
+from openflash.checkpoint import open_model
+from openflash.residency import resident_bytes
 from openflash.placement import Placement
 from openflash.runtime import Runtime
 from openflash.tools.synth import synthesize

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from openflash.checkpoint import count_by_dtype, load_checkpoint, resident_bytes
+from openflash.checkpoint import count_by_dtype, load_checkpoint
+from openflash.residency import resident_bytes
 from openflash.config import load_config
 from openflash.runtime import Runtime
 from openflash.tools.synth import cut_config, synthesize

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from openflash.checkpoint import choose_residency, load_checkpoint, open_model, resident_bytes
+from openflash.checkpoint import load_checkpoint, open_model
+from openflash.residency import choose_residency, resident_bytes
 from openflash.errors import CheckpointError
 from openflash.model import layers
 from openflash.placement import Placement
@@ -67,7 +68,7 @@ def test_auto_picks_stored_where_the_kernels_decode_faster(tmp_path, monkeypatch
     """A quantized checkpoint of hidden size KERNELS_WIDTH or more (the `small` preset's, FP8/FP4 by synth) keeps
     its weights as stored when the native kernels run here; golden A2 (hidden 128) and any model without the
     kernels keep fp32 copies where they fit."""
-    from openflash.checkpoint import KERNELS_WIDTH
+    from openflash.residency import KERNELS_WIDTH
     from openflash.kernels import native
     from openflash.tools.synth import synthesize
 
