@@ -199,3 +199,35 @@ def test_a_decode_step_copies_nothing_from_the_host_once_warm():
         with watch:
             model.static_decode(ids, cache, rows)
     assert watch.seen == []
+
+
+def test_a_decode_step_on_the_engines_paged_cache_copies_nothing_from_the_host():
+    """The same on the serving engine's cache: its block tables live on the host (allocation reads them there), and
+    the step indexes the pool with their copy on the device, brought up to date before the step (`reserve`), not in
+    it. Before, each step copied every table to the device, so the engine's decode could never be recorded."""
+    from openflash.checkpoint import build_model
+    from openflash.config import load_config
+    from openflash.engine.cache import CacheFactory
+    from openflash.model.decode_graph import CAPACITY_TOKENS, FetchedRows
+    from openflash.model.numerics import NUMERICS
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, NUMERICS["fp32"], device="meta")
+    cache = CacheFactory.create(cfg, device="meta").empty(2)
+    ids = torch.zeros(2, 1, dtype=torch.long, device="meta")
+    rows = FetchedRows({t.engram_slot: torch.zeros(2, 1, cfg.n_hash_columns, cfg.engram_head_dim, device="meta")
+                        for t in cfg.topology.layers if t.engram_before})
+
+    def reserve() -> None:  # DecodeGraph.prepare's, which reads the largest position (a meta tensor has none)
+        for store in cache.compressed.values():
+            ratio = store.partial_kv.shape[1]
+            store.reserve(-(-CAPACITY_TOKENS // ratio), torch.zeros(2, dtype=torch.long))
+
+    with torch.no_grad():
+        reserve()
+        model.static_decode(ids, cache, rows)
+        reserve()
+        watch = _HostCopies()
+        with watch:
+            model.static_decode(ids, cache, rows)
+    assert watch.seen == []

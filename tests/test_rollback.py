@@ -95,3 +95,37 @@ def test_rollback_is_bounded_by_the_spare_room(model):
     _run(rt, plain, _tokens(model.cfg, 10, 7))
     with pytest.raises(ValueError, match="only the last 0 tokens"):
         plain.rollback(9)
+
+
+@pytest.mark.parametrize("store", ["dense", "paged", "packed"])
+def test_a_restarted_row_runs_as_a_fresh_sequence_in_place(model, store):
+    """`ModelCache.restart` (the engine's idle rows): in place, every tensor the cache holds stays the same object
+    (a recorded CUDA graph still finds it), the row's blocks go back to the pool, and the row then runs a new prompt
+    as a fresh one-row cache does, while the other row goes on as if nothing had happened."""
+    from openflash.model.cuda_graph import bindings
+
+    model.set_numerics(PLAIN if store != "packed" else FP32)
+    cfg, rt = model.cfg, Runtime.of(model)
+    factory = None if store == "dense" else CacheFactory.create(cfg, "fp32" if store == "paged" else "packed",
+                                                                block_size=4)
+
+    def empty(batch: int) -> ModelCache:
+        return ModelCache.empty(cfg, batch) if factory is None else factory.empty(batch)
+
+    first, other, new, more = (_tokens(cfg, 23, 8), _tokens(cfg, 23, 9), _tokens(cfg, 11, 10), _tokens(cfg, 11, 11))
+    batch, untouched = empty(2), empty(2)
+    for cache in (batch, untouched):
+        _run(rt, cache, torch.stack([first, other]))
+    held = factory.pool.blocks_in_use if factory is not None else 0
+    before = [id(b.value) for b in bindings(batch)]
+    batch.restart([0])
+    assert [id(b.value) for b in bindings(batch)] == before  # the same objects
+    assert batch.pos.tolist() == [0, 23]
+    if factory is not None:
+        assert factory.pool.blocks_in_use < held
+    got = _run(rt, batch, torch.stack([new, more]))
+    alone = _run(rt, empty(1), new)
+    assert torch.allclose(got[0], alone[0], atol=1e-5, rtol=1e-5), (got[0] - alone[0]).abs().max()
+    going_on = _run(rt, untouched, torch.stack([first[:11], more]))
+    assert torch.allclose(got[1], going_on[1], atol=1e-5, rtol=1e-5), (got[1] - going_on[1]).abs().max()
+    model.set_numerics(PLAIN)

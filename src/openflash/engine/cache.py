@@ -30,7 +30,8 @@ from openflash import formats
 from openflash.config import FlashConfig
 from openflash.engine.block_pool import BlockPool, EntryLayout
 from openflash.model.cache import ModelCache, draft_rings
-from openflash.model.stores import InputHistory, WindowCache, concat_inputs, masked_put, rollback_compressed
+from openflash.model.stores import (InputHistory, WindowCache, concat_inputs, masked_put, restart_compressed,
+                                    rollback_compressed)
 from openflash.topology import LayerMode
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -47,9 +48,32 @@ class PagedCompressedCache:
 
     def __init__(self, pool: BlockPool, table: torch.Tensor, length: torch.Tensor, partial_kv: torch.Tensor,
                  partial_score: torch.Tensor, inputs: InputHistory | None = None) -> None:
-        self.pool, self.table = pool, table  # table: long [B, nb], 0 = no block
+        self.pool = pool
+        self.device_table: torch.Tensor = table  # the table where the pool's planes are (`_mirror`)
+        self.table = table  # long [B, nb] on the host (allocation reads it there), 0 = no block
         self.length, self.partial_kv, self.partial_score = length, partial_kv, partial_score
         self.inputs = inputs  # with rollback room: the compressor inputs of the last ratio + spare tokens
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self._table
+
+    @table.setter
+    def table(self, value: torch.Tensor) -> None:
+        self._table = value
+        self._mirror()
+
+    def _mirror(self) -> None:
+        """The model's reads and writes index the pool with `device_table`, kept equal to the host table after
+        every change to it, so that a decode step copies nothing from the host (a CUDA graph could not record
+        that copy). Same shape: copied in place, so a recorded step still finds it where it was."""
+        table = self._table
+        if table.device == self.pool.device:
+            self.device_table = table
+        elif self.device_table.shape == table.shape and self.device_table.device == self.pool.device:
+            self.device_table.copy_(table)
+        else:
+            self.device_table = table.to(self.pool.device)
 
     @classmethod
     def empty(cls, pool: BlockPool, batch_size: int, ratio: int, head_dim: int,
@@ -74,6 +98,7 @@ class PagedCompressedCache:
         slot = entries_c // bs
         self._ensure_blocks(rows_c, slot)
         blocks = self._unshare(rows_c, slot)
+        self._mirror()
         self.pool.store(blocks.to(self.pool.device), (entries_c % bs).to(self.pool.device), kv, index_k)
 
     @property
@@ -89,6 +114,7 @@ class PagedCompressedCache:
         self._ensure_blocks(rows, slot)
         self._unshare(rows, slot)
         self._widen(max(2, -(-capacity // bs)))  # at least 2 blocks (CompressedStore.reserve)
+        self._mirror()
 
     def growing_dims(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.table, 1)] + [(plane, 0) for plane in self.pool.planes.values()]
@@ -98,17 +124,16 @@ class PagedCompressedCache:
         # The blocks were allocated and unshared by `reserve`; the zero block is never a write's target.
         rows = torch.arange(entries.shape[0], device=entries.device).unsqueeze(1)
         bs = self.pool.block_size
-        blocks = self.table.to(entries.device)[rows, torch.div(entries, bs, rounding_mode="floor")]
-        self.pool.store_where(complete, blocks.to(self.pool.device), (entries % bs).to(self.pool.device), kv,
-                              index_k)
+        blocks = self.device_table[rows, torch.div(entries, bs, rounding_mode="floor")]
+        self.pool.store_where(complete, blocks, entries % bs, kv, index_k)
 
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk]); rows with fewer read zeros."""
         nb = -(-n // self.pool.block_size)
-        table = self.table[:, :nb]
+        table = self.device_table[:, :nb]
         if table.shape[1] < nb:
             table = torch.cat((table, table.new_zeros(table.shape[0], nb - table.shape[1])), dim=1)
-        kv, index_k = self.pool.gather(table.to(self.pool.device))
+        kv, index_k = self.pool.gather(table)
         return kv[:, :n], index_k[:, :n]
 
     def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
@@ -119,6 +144,14 @@ class PagedCompressedCache:
     def rollback(self, to_pos: torch.Tensor) -> None:
         """Entries past the rollback point become invisible (their blocks stay with the row and are rewritten)."""
         rollback_compressed(self, self.partial_kv.shape[1], to_pos)
+
+    def restart(self, rows: torch.Tensor) -> None:
+        """The rows hold nothing (their blocks go back to the pool), in place: the table keeps its shape."""
+        rows_c = rows.cpu()
+        self.pool.decref(self._table[rows_c].flatten())
+        self._table.index_fill_(0, rows_c, 0)
+        self._mirror()
+        restart_compressed(self, rows.to(self.length.device))
 
     # ---- block bookkeeping ----------------------------------------------------------------------------------
     def _widen(self, width: int) -> None:
@@ -260,6 +293,9 @@ class PackedWindowCache:
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
+
+    def restart(self, rows: torch.Tensor) -> None:
+        self.pos.index_fill_(0, rows, -1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.pos))

@@ -248,6 +248,10 @@ class EngramHashState:
         shifted = self.history.gather(1, source.clamp(min=0))
         self.history = torch.where(source >= 0, shifted, torch.full_like(shifted, DEAD))
 
+    def restart(self, rows: torch.Tensor) -> None:
+        """Those rows hold no ids (a sequence start), in place."""
+        self.history.index_fill_(0, rows.to(self.history.device), DEAD)
+
     def select(self, rows: torch.Tensor | list[int]) -> "EngramHashState":
         """The states of some batch rows, in the given order (for regrouping a batch)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.history.device)

@@ -38,6 +38,9 @@ class RowHistory(Protocol):
     def rollback(self, drop: torch.Tensor) -> None:
         """Forget the last drop[b] tokens of row b."""
 
+    def restart(self, rows: torch.Tensor) -> None:
+        """Those rows hold nothing (a sequence start), in place."""
+
 
 class WindowStore(Protocol):
     """A sliding-window KV ring of B sequences: slot = position % W; `pos` -1 marks an empty slot."""
@@ -64,6 +67,9 @@ class WindowStore(Protocol):
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         """Forget the slots of positions >= to_pos[b] (the ring keeps `spare` extra slots for this)."""
+
+    def restart(self, rows: torch.Tensor) -> None:
+        """Those rows hold no slot, in place (`ModelCache.restart`)."""
 
     def nbytes(self) -> int: ...
 
@@ -111,6 +117,9 @@ class CompressedStore(Protocol):
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         """Return to the state after to_pos[b] tokens: fewer entries, the open group rebuilt."""
+
+    def restart(self, rows: torch.Tensor) -> None:
+        """Those rows hold no entry and no open group, in place; shared storage they held is given back."""
 
     def release(self) -> None:
         """Give back shared storage (paged blocks); a dense store holds none."""
@@ -306,6 +315,21 @@ class ModelCache:
         if self.engram is not None:
             self.engram.rollback(drop)
         self.pos = to_pos.clone()
+
+    def restart(self, rows: list[int] | torch.Tensor) -> None:
+        """The given rows become empty sequences at position 0, in place: every tensor the cache holds stays the
+        same object (a recorded CUDA graph still finds it), and the blocks the rows held go back to the pool. The
+        engine's idle rows (engine/runner.py) are restarted rows."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.pos.device)
+        if self.replay is not None:
+            raise ValueError("cannot restart rows during a bounded-replay prefill; finish the prefill first")
+        self.pos.index_fill_(0, rows, 0)
+        for w in self.window + self.draft:
+            w.restart(rows)
+        for c in self.compressed.values():
+            c.restart(rows)
+        if self.engram is not None:
+            self.engram.restart(rows)
 
     def release(self) -> None:
         """Give back the shared storage (paged compressed blocks); idempotent."""

@@ -60,6 +60,9 @@ class InputHistory:
         self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
         return kv, score
 
+    def restart(self, rows: torch.Tensor) -> None:
+        self.pos.index_fill_(0, rows, -1)
+
     def select(self, rows: torch.Tensor) -> "InputHistory":
         return InputHistory(select_rows(self.kv, rows), select_rows(self.score, rows), select_rows(self.pos, rows))
 
@@ -87,6 +90,15 @@ def rollback_compressed(store: GroupedStore, ratio: int, to_pos: torch.Tensor) -
         if store.inputs is None:
             raise ValueError("this cache keeps no compressor inputs: create it with spare > 0 to roll back")
         store.partial_kv, store.partial_score = store.inputs.rollback(to_pos, ratio)
+
+
+def restart_compressed(store: GroupedStore, rows: torch.Tensor) -> None:
+    """The restart every compressed store shares: the rows hold no entry and no open group, in place."""
+    store.length.index_fill_(0, rows, 0)
+    store.partial_kv.index_fill_(0, rows, 0.0)
+    store.partial_score.index_fill_(0, rows, float("-inf"))
+    if store.inputs is not None:
+        store.inputs.restart(rows)
 
 
 def masked_put(t: torch.Tensor, index: tuple[torch.Tensor, ...], keep: torch.Tensor, value: torch.Tensor) -> None:
@@ -161,6 +173,9 @@ class WindowCache:
     def rollback(self, to_pos: torch.Tensor) -> None:
         self.pos.masked_fill_(self.pos >= to_pos.unsqueeze(1), -1)
 
+    def restart(self, rows: torch.Tensor) -> None:
+        self.pos.index_fill_(0, rows, -1)
+
     def nbytes(self) -> int:
         return nbytes_of(self.kv, self.pos)
 
@@ -223,6 +238,9 @@ class CompressedCache:
 
     def rollback(self, to_pos: torch.Tensor) -> None:
         rollback_compressed(self, self.partial_kv.shape[1], to_pos)
+
+    def restart(self, rows: torch.Tensor) -> None:
+        restart_compressed(self, rows)
 
     def select(self, rows: torch.Tensor) -> "CompressedCache":
         return CompressedCache(*(select_rows(t, rows) for t in (self.kv, self.index_k, self.length, self.partial_kv,
