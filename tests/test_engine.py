@@ -201,6 +201,37 @@ def test_batched_greedy_equals_sequential(plain):
     assert engine.factory.pool.blocks_in_use == 0 and engine.runner.batch is None
 
 
+def test_padded_decode_batches_give_the_same_tokens(plain, monkeypatch):
+    """Decode batches padded with idle rows up to their bucket (what a CUDA graph recorded per size needs): the
+    same tokens as one prompt at a time, finished sequences turn their rows idle in place (the batch's tensors
+    stay), and every block goes back to the pool."""
+    rt = plain
+    ps = prompts(9, 1, 60, seed=5)
+    params = [SamplingParams(max_tokens=3 + 2 * (i % 4)) for i in range(len(ps))]  # they finish at different steps
+    engine = LLMEngine(rt, EngineConfig(max_batch=6, prefill_chunk=16, max_step_tokens=40, prefix_cache=False,
+                                        decode_buckets=(2, 4, 8)))
+    seen: list[tuple[int, list[str | None]]] = []  # each decode step's batch size and rows (None: idle)
+    decode = rt.decode
+
+    def watched(tokens, cache, adapters=None):
+        rows = list(engine.runner.batch_ids)
+        seen.append((cache.batch_size, rows))
+        assert all(int(cache.pos[i]) == 0 for i, r in enumerate(rows) if r is None)  # idle rows stay at 0
+        return decode(tokens, cache, adapters)
+
+    monkeypatch.setattr(rt, "decode", watched)
+    seqs = engine.generate(ps, params, ignore_eos=True)
+    monkeypatch.undo()
+    assert [s.output_ids for s in seqs] == [generate(rt, p, sp).token_ids for p, sp in zip(ps, params)]
+    assert {size for size, _ in seen} <= {2, 4, 8}
+    in_place = [rows for _, rows in seen if None in rows and rows[-1] is not None]  # an idle row before a live one
+    assert in_place, seen
+    assert engine.stats()["idle_decode_rows"] == sum(rows.count(None) for _, rows in seen)
+    assert engine.factory.pool.blocks_in_use == 0 and engine.runner.batch is None
+    with pytest.raises(OpenflashError, match="decode_buckets must be increasing"):
+        EngineConfig(decode_buckets=(4, 2)).validate()
+
+
 @pytest.mark.parametrize("mode", ["bounded", "exact"])
 def test_packed_prefill_equals_one_prompt_at_a_time(plain, mode):
     """Prompt chunks of equal length share a model call (pending bounded replays and Engram hash histories joined

@@ -40,6 +40,10 @@ class EngineConfig:
     engram_speculate: int = 0  # with an Engram memory tier: prefetch rows of the k likeliest next tokens
     speculative: str | None = None  # "dspark": speculative decoding with the model's DSpark drafter
     num_speculative_tokens: int | None = None  # drafts verified per round (default: the drafter's block size)
+    # Decode batch sizes a batch is padded up to with idle rows (engine/runner.py), so that a CUDA graph recorded
+    # for one size replays for every batch up to it. None: 1, 2, 4, 8, the multiples of 16 and max_batch
+    # where decode steps replay CUDA graphs (a compiled model on CUDA), else none; (): never pad.
+    decode_buckets: tuple[int, ...] | None = None
 
     def validate(self) -> "EngineConfig":
         if self.prefill_mode not in PREFILL_MODES:
@@ -58,6 +62,10 @@ class EngineConfig:
             raise OpenflashError(f"prefill_padding must be in [0, 1), got {self.prefill_padding}")
         if self.max_context < 2:
             raise OpenflashError(f"max_context must be >= 2, got {self.max_context}")
+        buckets = self.decode_buckets
+        if buckets is not None and (any(not isinstance(b, int) or b < 1 for b in buckets)
+                                    or list(buckets) != sorted(set(buckets))):
+            raise OpenflashError(f"decode_buckets must be increasing batch sizes >= 1, got {buckets!r}")
         block = self.prefix_block_tokens
         if block is not None and self.prefix_restore == "snapshot" and self.prefill_chunk % block:
             raise OpenflashError(f"prefix_block_tokens {block} must divide prefill_chunk {self.prefill_chunk} in "
@@ -81,6 +89,14 @@ class EngineConfig:
                                  f"encoder half (layers < {cfg.topology.decoder_start}), which bounded prefill "
                                  f"does not keep: use --prefill-mode exact with speculative decoding")
         return k
+
+    def padded_batches(self, records_decode_graphs: bool) -> tuple[int, ...]:
+        """The decode batch sizes to pad up to (`decode_buckets`): what vLLM and nano-vllm record graphs for."""
+        if self.decode_buckets is not None:
+            return tuple(self.decode_buckets)
+        if not records_decode_graphs:
+            return ()
+        return tuple(b for b in (1, 2, 4, 8, *range(16, self.max_batch, 16)) if b < self.max_batch) + (self.max_batch,)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting,

@@ -79,6 +79,10 @@ class EngineRuntime(ModelRuntime, Protocol):
     def stats(self) -> dict[str, Any]:
         """engram, experts and decode_graph counters (Runtime.stats)."""
 
+    @property
+    def records_decode_graphs(self) -> bool:
+        """Decode steps replay CUDA graph recordings (the engine then pads its decode batches to a few sizes)."""
+
 
 class StepSync(Protocol):
     """Engine replicas on several ranks kept in step (implemented by engine/lockstep.py's Lockstep)."""
@@ -120,7 +124,8 @@ class LLMEngine:
         self.factory = CacheFactory.create(model.cfg, config.kv_storage, config.kv_block_size, config.max_kv_blocks,
                                            model.device, spare=drafts + 1 if drafts else 0, draft=bool(drafts))
         self.runner = ModelRunner(runtime, self.factory, config.prefill_mode, config.engram_speculate, drafts,
-                                  config.prefill_batch, config.prefill_padding)
+                                  config.prefill_batch, config.prefill_padding,
+                                  config.padded_batches(runtime.records_decode_graphs) if not drafts else ())
         self.scheduler = Scheduler(config.scheduler_config(), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
@@ -494,6 +499,7 @@ class LLMEngine:
             "kv_pool_bytes": pool.nbytes(),
             **self._runtime_stats,  # engram, experts, decode_graph
             "regroups": self.runner.regroups,
+            "idle_decode_rows": self.runner.idle_rows,
             "config": asdict(self.config),
         }
         return out

@@ -13,6 +13,13 @@ of finished sequences are dropped at once (`remove`), sequences that finished th
 decode. Regrouping copies the bounded per-row state (window rings, compressor open group, hash history) and only
 block tables of the global cache (engine/cache.py).
 
+Padded batches (`decode_buckets`, where decode steps replay CUDA graphs): the batch holds idle rows up to the
+smallest bucket size that fits its sequences, so a graph recorded for a size serves every batch up to it. An idle
+row is a restarted row (`ModelCache.restart`) that decodes token 0 at position 0 again each step: its state stays
+bounded (one window slot, one compressed entry), no other row reads it and its logits are dropped. A sequence that
+finishes turns its row idle in place, the batch's tensors untouched (the recording still replays); a batch regroups
+only when sequences join or its bucket changes.
+
 Engram and experts: each call goes through the runtime (runtime.py), which hashes the chunk or decode step's token
 ids before the model runs (starting the rows' fetch from any tier) and hands rows and expert store down.
 
@@ -89,22 +96,27 @@ class ModelRuntime(Protocol):
 
 class ModelRunner:
     def __init__(self, runtime: ModelRuntime, factory: CacheFactory, prefill_mode: str = "bounded",
-                 speculate_k: int = 0, drafts: int = 0, prefill_batch: int = 16, prefill_padding: float = 0.25) -> None:
+                 speculate_k: int = 0, drafts: int = 0, prefill_batch: int = 16, prefill_padding: float = 0.25,
+                 decode_buckets: tuple[int, ...] = ()) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
         if not 0 <= prefill_padding < 1:
             raise ValueError(f"prefill_padding must be in [0, 1), got {prefill_padding}")
+        if decode_buckets and drafts:
+            raise ValueError("padded decode batches are for plain decode steps, not speculative rounds")
         self.prefill_batch = prefill_batch  # most prompt chunks packed into one model call
         self.prefill_padding = prefill_padding  # most of a packed call that may be padding
         self.runtime, self.model, self.factory, self.prefill_mode = runtime, runtime.model, factory, prefill_mode
         self.speculate_k = speculate_k
         self.drafts = drafts  # DSpark drafts verified per round (0: no speculative decoding)
         self.device = runtime.model.device
+        self.decode_buckets = decode_buckets  # batch sizes a decode batch is padded up to (module doc)
         self.batch: ModelCache | None = None
-        self.batch_ids: list[str] = []  # request id of each batch row
+        self.batch_ids: list[str | None] = []  # request id of each batch row (None: an idle row)
         self.regroups = 0
+        self.idle_rows = 0  # idle rows decoded in padded batches (the padding's cost, in rows)
         self.prefill_calls = 0  # model calls that ran prompt chunks (packed or not)
         self._images: dict[str, EncodedImages] = {}  # prefilling requests with images: their encoded spans
 
@@ -237,11 +249,19 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
         """One token for each sequence (its last sampled token as input). Returns the sequences in batch-row
         order and their logits [B, V]."""
-        ordered = self._regroup(seqs)
-        tokens = torch.tensor([s.last_token for s in ordered], dtype=torch.long, device=self.device)
-        logits = self.runtime.decode(tokens, self.batch, adapters=[s.adapter for s in ordered])
+        ordered = self._regroup(seqs, padded=bool(self.decode_buckets))
+        by_id = {s.request_id: s for s in ordered}
+        rows = [by_id.get(r) for r in self.batch_ids]  # (None: idle)
+        idle = [i for i, s in enumerate(rows) if s is None]
+        if idle:
+            self.batch.rewind(idle)
+            self.idle_rows += len(idle)
+        tokens = torch.tensor([0 if s is None else s.last_token for s in rows], dtype=torch.long, device=self.device)
+        logits = self.runtime.decode(tokens, self.batch, adapters=[BASE if s is None else s.adapter for s in rows])
         if self.speculate_k > 0:
             self.runtime.speculate(logits, self.batch, self.speculate_k)
+        if idle:
+            logits = logits[torch.tensor([i for i, s in enumerate(rows) if s is not None], device=logits.device)]
         return ordered, logits
 
     @torch.no_grad()
@@ -277,38 +297,59 @@ class ModelRunner:
         return ordered, results
 
     # ---- batch membership ---------------------------------------------------------------------------------------
-    def _regroup(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Make the batch cache hold exactly these sequences; returns them in batch-row order."""
+    def _bucket(self, n: int) -> int:
+        """The batch size n sequences decode at: the smallest bucket that holds them (n itself past the last)."""
+        return next((b for b in self.decode_buckets if b >= n), n)
+
+    def _regroup(self, seqs: list[Sequence], padded: bool = False) -> list[Sequence]:
+        """Make the batch cache hold exactly these sequences (padded: and idle rows up to their bucket); returns
+        them in batch-row order."""
         wanted = {s.request_id for s in seqs}
         by_id = {s.request_id: s for s in seqs}
-        if set(self.batch_ids) == wanted and len(self.batch_ids) == len(seqs):
-            return [by_id[r] for r in self.batch_ids]
-        self.remove([r for r in self.batch_ids if r not in wanted])
-        joining = [s for s in seqs if s.request_id not in set(self.batch_ids)]
-        parts = ([self.batch] if self.batch is not None else []) + [s.cache for s in joining]
+        self.remove([r for r in self.batch_ids if r is not None and r not in wanted])
+        present = set(self.batch_ids)
+        joining = [s for s in seqs if s.request_id not in present]
+        size = self._bucket(len(seqs)) if padded else len(seqs)
+        if joining or self.batch is None or self.batch.batch_size != size:
+            self._rebuild([i for i, r in enumerate(self.batch_ids) if r is not None], joining, size)
+            self.regroups += 1
+        return [by_id[r] for r in self.batch_ids if r is not None]
+
+    def _rebuild(self, keep: list[int], joining: list[Sequence], size: int) -> None:
+        """A new batch cache: the kept rows, then the joining sequences' caches, then idle rows up to `size`."""
+        old = self.batch
+        parts = [] if not keep else [old if keep == list(range(old.batch_size)) else old.select(keep)]
+        parts += [s.cache for s in joining]
+        ids = [self.batch_ids[i] for i in keep] + [s.request_id for s in joining]
+        batch = None if not parts else parts[0] if len(parts) == 1 else ModelCache.concat(parts)
         if len(parts) > 1:
-            merged = ModelCache.concat(parts)
             for part in parts:
                 part.release()
-            self.batch = merged
-        else:
-            self.batch = parts[0]
-        self.batch_ids += [s.request_id for s in joining]
+        if old is not None and (not parts or parts[0] is not old):
+            old.release()
+        if batch is not None and size > len(ids):  # idle rows: copies of row 0, restarted
+            full = batch.select(list(range(len(ids))) + [0] * (size - len(ids)))
+            full.restart(list(range(len(ids), size)))
+            batch.release()
+            batch = full
+        self.batch = batch
+        self.batch_ids = ids + [None] * (size - len(ids) if batch is not None else 0)
         for s in joining:
             s.cache = None  # the batch owns its state now
-        self.regroups += 1
-        return [by_id[r] for r in self.batch_ids]
 
     def remove(self, request_ids: list[str]) -> None:
-        """Drop rows from the decode batch now (their KV blocks go back to the pool)."""
-        gone = set(request_ids) & set(self.batch_ids)
+        """Drop rows from the decode batch now (their KV blocks go back to the pool). In a padded batch whose
+        bucket still fits what is left, the rows turn idle in place."""
+        gone = [i for i, r in enumerate(self.batch_ids) if r is not None and r in set(request_ids)]
         if not gone:
             return
-        keep = [i for i, r in enumerate(self.batch_ids) if r not in gone]
-        old = self.batch
-        self.batch = old.select(keep) if keep else None
-        old.release()
-        self.batch_ids = [self.batch_ids[i] for i in keep]
+        keep = [i for i, r in enumerate(self.batch_ids) if r is not None and i not in gone]
+        if self.decode_buckets and keep and self._bucket(len(keep)) == self.batch.batch_size:
+            self.batch.restart(gone)
+            for i in gone:
+                self.batch_ids[i] = None
+            return
+        self._rebuild(keep, [], self._bucket(len(keep)) if self.decode_buckets else len(keep))
 
     def fork(self, leader: Sequence, twin: Sequence) -> None:
         """twin takes leader's state after their shared prompt (bounded state copied, paged blocks shared and

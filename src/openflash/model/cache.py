@@ -331,6 +331,12 @@ class ModelCache:
         if self.engram is not None:
             self.engram.restart(rows)
 
+    def rewind(self, rows: list[int] | torch.Tensor) -> None:
+        """Those rows run at position 0 again, in place, keeping what they hold: for the engine's idle rows, whose
+        outputs are dropped and whose state no other row reads; it keeps their state from growing (at position 0
+        a row writes one window slot and at most one compressed entry)."""
+        self.pos.index_fill_(0, torch.as_tensor(rows, dtype=torch.long, device=self.pos.device), 0)
+
     def release(self) -> None:
         """Give back the shared storage (paged compressed blocks); idempotent."""
         for c in self.compressed.values():
