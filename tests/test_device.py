@@ -127,6 +127,87 @@ def test_bindings_find_every_tensor_and_container_of_a_cache_and_undo_rebinds():
         bindings(_Cache(torch.zeros(1), {0: (torch.zeros(1),)}))
 
 
+
+def test_a_recording_moves_to_a_cache_of_the_same_shapes_and_both_keep_their_state():
+    """`take_over`: the engine's batch regrouped at the same padded size is a new cache of the same structure; it
+    takes the recorded tensors over (its values copied in), the old cache keeps copies of its own state, the block
+    pool stays shared, and both step on exactly as before. Another structure is refused."""
+    from openflash.engine.cache import CacheFactory
+    from openflash.model.cuda_graph import take_over
+    from openflash.model.decode_graph import DecodeGraph
+    from openflash.model.numerics import NUMERICS
+
+    rt = open_model("tiny", numerics="plain")
+    factory = CacheFactory.create(rt.model.cfg, block_size=4)
+    old, new = factory.empty(2), factory.empty(2)
+    g = torch.Generator().manual_seed(0)
+    rt.step(torch.randint(3, 900, (2, 19), generator=g), old)
+    rt.step(torch.randint(3, 900, (2, 23), generator=g), new)
+    graph = DecodeGraph(rt.model)
+    for cache in (old, new):
+        graph.prepare(cache, None)  # what a decode step does first: both at the same capacity bucket
+    recorded = bindings(old, skip=("engram",))
+    tensors = lambda layout: [b.value for b in layout if isinstance(b.value, torch.Tensor)]  # noqa: E731
+    old_values = [t.clone() for t in tensors(recorded)]
+    new_values = [t.clone() for t in tensors(bindings(new, skip=("engram",)))]
+    assert take_over(recorded, bindings(factory.empty(3), skip=("engram",))) is None
+    moved = take_over(recorded, bindings(new, skip=("engram",)))
+    assert moved is not None
+    now_new, now_old = tensors(bindings(new, skip=("engram",))), tensors(bindings(old, skip=("engram",)))
+    assert all(a is b for a, b in zip(now_new, tensors(recorded)))  # new holds the recorded tensors
+    assert all(torch.equal(a, b) for a, b in zip(now_new, new_values))  # with its own values
+    assert all(torch.equal(a, b) for a, b in zip(now_old, old_values))  # old kept its values
+    shared = [a is b for a, b in zip(now_new, now_old)]
+    assert any(shared) and all(a is b for a, b, same in zip(now_new, now_old, shared) if same)  # the pool
+    assert all(not a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+               for a, b, same in zip(now_new, now_old, shared) if not same)
+    rt.model.set_numerics(NUMERICS["plain"])
+    ids = torch.randint(3, 900, (2, 1), generator=g)
+    for cache in (old, new):
+        twin = cache.select([0, 1])  # a copy of the same state through another road
+        assert torch.equal(rt.decode(ids, cache), rt.decode(ids, twin))
+
+
+
+class _HostRecorder:
+    """Stands in for CUDA graphs on the CPU: recording runs nothing (as a capture runs no kernel); each replay runs
+    the recorded body again (the step on the recording's input buffers, then the copies back into the tensors the
+    cache held) and writes its output where the first went."""
+
+    def record(self, body, device):
+        out = torch.empty(0)
+
+        def replay() -> None:
+            result = body()
+            out.resize_(result.shape).copy_(result)
+
+        return replay, out
+
+
+def test_the_engine_replays_recordings_across_regroups_and_padded_batches(monkeypatch):
+    """The engine's decode steps through CudaGraphStep on the CPU (the step traced by dynamo on its eager backend,
+    recorded by a stand-in for CUDA graphs): requests joining and finishing at different steps are served from
+    replays, a regrouped batch of a recorded size takes the recording over, and the tokens are those of the same
+    steps run without recordings."""
+    from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.model import decode_graph
+    from openflash.model.decode_graph import DecodeGraph
+
+    monkeypatch.setattr(decode_graph, "BACKEND", "eager")
+    rt = open_model("tiny", numerics="plain")
+    graph = DecodeGraph(rt.model, recorder=_HostRecorder())
+    monkeypatch.setattr(rt, "_graph", lambda: graph)  # decode steps through the graph, as on a compiled model
+    prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(7)]
+    params = [SamplingParams(max_tokens=4 + 3 * (i % 3)) for i in range(7)]
+    config = EngineConfig(max_batch=4, prefix_cache=False, decode_buckets=(4,))  # one size: one dynamo graph
+    replayed = [s.output_ids for s in LLMEngine(rt, config).generate(prompts, params, ignore_eos=True)]
+    stats = graph.stats()
+    assert stats["cuda_graphs_off"] is None and stats["cuda_graphs_taken_over"] > 0, stats
+    assert stats["cuda_graph_replays"] > stats["steps"] // 2, stats
+    graph._replayed = None
+    assert [s.output_ids for s in LLMEngine(rt, config).generate(prompts, params, ignore_eos=True)] == replayed
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------------------
 
 @cuda
@@ -149,6 +230,31 @@ def test_cuda_graph_replay_equals_the_compiled_step():
     graph._replayed = None
     for a, b in zip(replayed, forced()):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), float((a - b).abs().max())
+
+
+@cuda
+def test_the_engine_replays_its_decode_graphs_across_regroups():
+    """On CUDA the engine pads its decode batches (1, 2, 4 here) and a regrouped batch takes the recording of its
+    size over: requests that join and finish at different steps are served from replays, with the tokens of the
+    same compiled steps run without recordings."""
+    from dataclasses import replace
+
+    from openflash.engine.engine import EngineConfig, LLMEngine
+
+    rt = open_model("tiny", numerics="fp32", placement=Placement(device="cuda", compile=True))
+    prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(7)]
+    params = [SamplingParams(max_tokens=4 + 3 * (i % 3)) for i in range(7)]
+    config = EngineConfig(max_batch=4, prefix_cache=False)
+    engine = LLMEngine(rt, config)
+    assert engine.runner.decode_buckets == (1, 2, 4)
+    graphed = [s.output_ids for s in engine.generate(prompts, params, ignore_eos=True)]
+    graph = next(iter(rt.graphs.values()))
+    stats = graph.stats()
+    assert stats["cuda_graphs_off"] is None and stats["cuda_graph_replays"] > 0, stats
+    assert stats["cuda_graphs_taken_over"] > 0, stats
+    graph._replayed = None
+    unrecorded = LLMEngine(rt, replace(config, decode_buckets=(1, 2, 4)))
+    assert [s.output_ids for s in unrecorded.generate(prompts, params, ignore_eos=True)] == graphed
 
 
 @cuda

@@ -53,7 +53,7 @@ import torch
 from openflash import kernels
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
-from openflash.model.cuda_graph import CudaGraphStep
+from openflash.model.cuda_graph import CudaGraphStep, Recorder
 from openflash.model.context import ExpertSource, Probe
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
@@ -91,7 +91,7 @@ class DecodeGraph:
     """One model's whole-step decode graph (module doc): `why_not` says whether a step can run here, `__call__`
     runs it."""
 
-    def __init__(self, model: "Transformer") -> None:
+    def __init__(self, model: "Transformer", recorder: Recorder | None = None) -> None:
         self.model = model
         # Dynamo's per-call guard check on every module attribute and parameter is a large part of a small model's
         # step: it is skipped, which is safe because this graph serves one model under one numerics policy and
@@ -107,10 +107,11 @@ class DecodeGraph:
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
         self._engram_slots = [t.engram_slot for t in model.cfg.topology.layers if t.engram_before]
         self._noted: set[str] = set()
-        # On a GPU the compiled step is replayed as a CUDA graph (cuda_graph.py); the cache's Engram hash history
-        # (advanced before each step, outside it), drafter rings and replay buffer are not the step's to touch.
-        self._replayed = CudaGraphStep(self._step, FetchedRows, skip=("engram", "draft", "replay")) \
-            if model.device.type == "cuda" else None
+        # On a GPU the compiled step is replayed as a CUDA graph (cuda_graph.py; `recorder`: another way to record
+        # and replay it, anywhere); the cache's Engram hash history (advanced before each step, outside it),
+        # drafter rings and replay buffer are not the step's to touch.
+        self._replayed = CudaGraphStep(self._step, FetchedRows, skip=("engram", "draft", "replay"), recorder=recorder) \
+            if model.device.type == "cuda" or recorder is not None else None
         self.steps = 0  # decode steps run as one graph
         self.graphs = 0  # graphs compiled for them (module doc: one per batch class)
         self.compile_seconds = 0.0  # spent in the steps that compiled one (tracing and code generation)
@@ -164,7 +165,7 @@ class DecodeGraph:
         out = {"steps": self.steps, "graphs": self.graphs, "compile_seconds": self.compile_seconds}
         if self._replayed is not None:
             out.update(cuda_graphs_recorded=self._replayed.recorded, cuda_graph_replays=self._replayed.replays,
-                       cuda_graphs_off=self._replayed.off)
+                       cuda_graphs_taken_over=self._replayed.taken_over, cuda_graphs_off=self._replayed.off)
         return out
 
     def prepare(self, cache: ModelCache, engram: EngramRows | None) -> EngramRows | None:
