@@ -8,7 +8,8 @@ skipped and says so):
 
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
 - kernels: products on stored FP8 / MXFP4 weights at released shapes (kernels/triton_products.py) beside
-  dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s;
+  dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s; a MoE layer's routed
+  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 16 tokens;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;
@@ -164,6 +165,55 @@ def kernels(b: Bench) -> dict[str, Any]:
                 "kernel_us": round(kernel_s * 1e6, 1), "dequantized_us": round(dequant_s * 1e6, 1),
                 "kernel_GBps": round(stored_bytes / kernel_s / 1e9, 1),
                 "kernel_TFLOPs": round(2 * r * n * k / kernel_s / 1e12, 2)}
+    out.update(_experts(b))
+    return out
+
+
+def _experts(b: Bench) -> dict[str, Any]:
+    """A MoE layer's routed experts at the released shapes (K 5120, I 2304, 6 of 32 experts a token): the one-call
+    Triton kernel (kernels/triton_experts.py) beside one stored_product call per expert and projection."""
+    from openflash import formats
+    from openflash.kernels.triton_experts import fp4_experts
+    from openflash.kernels.triton_products import stored_product
+
+    K, I, E, k, runs = (5120, 2304, 32, 6, 20) if not b.dry else (64, 64, 4, 2, 1)
+    gen = torch.Generator(device=b.device).manual_seed(0)
+
+    def fp4(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 16, (n, width), generator=gen, device=b.device, dtype=torch.uint8)
+        return formats.pack_fp4(codes), torch.full((n, width // 32), 124, dtype=torch.uint8, device=b.device)
+
+    made = [[fp4(n, width) for _ in range(E)] for n, width in ((I, K), (I, K), (K, I))]
+    parts = [[m[j] for m in made[i]] for i in range(3) for j in range(2)]  # w1, s1, w3, s3, w2, s2
+    out: dict[str, Any] = {}
+    for tokens in ((1, 4, 16) if not b.dry else (1, 3)):
+        x = torch.randn(tokens, K, device=b.device)
+        expert = torch.stack([torch.randperm(E, generator=gen, device=b.device)[:k] for _ in range(tokens)]).flatten()
+        token = torch.arange(tokens, device=b.device).repeat_interleave(k)
+        weight = torch.rand(tokens * k, generator=gen, device=b.device)
+        touched = expert.unique().tolist()
+        stored_bytes = len(touched) * sum(t[0].numel() + t[1].numel() for t in (made[0][0], made[1][0], made[2][0]))
+
+        def per_expert() -> torch.Tensor:
+            y = torch.zeros_like(x)
+            for e in touched:
+                rows = token[expert == e]
+                xe = x[rows]
+                g = stored_product(xe, parts[0][e], parts[1][e], "fp4", True).clamp(max=10.0)
+                u = stored_product(xe, parts[2][e], parts[3][e], "fp4", True).clamp(-10.0, 10.0)
+                h = weight[expert == e, None] * torch.nn.functional.silu(g) * u
+                y.index_add_(0, rows, stored_product(h, parts[4][e], parts[5][e], "fp4", True))
+            return y
+
+        one_s = _median_s(b, lambda: fp4_experts(x, *parts, token, expert, weight, 10.0, True), runs)
+        each_s = _median_s(b, per_expert, runs)
+        want = per_expert()  # the same sums in another order: equal to fp32 rounding
+        error = ((fp4_experts(x, *parts, token, expert, weight, 10.0, True) - want).abs().max()
+                 / want.abs().max().clamp(min=1e-30))
+        out[f"fp4 experts {E}x(3x{I}x{K}) tokens {tokens}"] = {
+            "one_call_us": round(one_s * 1e6, 1), "per_expert_us": round(each_s * 1e6, 1),
+            "one_call_GBps": round(stored_bytes / one_s / 1e9, 1), "experts_touched": len(touched),
+            "max_rel_diff": float(f"{float(error):.2g}")}
     return out
 
 

@@ -18,6 +18,7 @@ import torch
 
 from openflash.checkpoint import build_model, open_model
 from openflash.config import load_config
+from openflash import kernels
 from openflash.kernels import native
 from openflash.model import decode_graph
 from openflash.model.decode_graph import DecodeGraph
@@ -127,19 +128,26 @@ def test_stored_weights_without_kernels_run_decode_on_the_per_kernel_path(monkey
 
 
 @pytest.mark.skipif(not native.status().available, reason=f"no native kernels: {native.status().reason}")
-def test_stored_weights_decode_as_one_graph_through_the_kernels(monkeypatch):
+@pytest.mark.parametrize("experts", ["native", "triton"])
+def test_stored_weights_decode_as_one_graph_through_the_kernels(monkeypatch, experts):
     """Golden A2 kept as stored (FP8 attention, FP4 experts, Engram rows through its runtime): the whole step is one
     graph (captured by dynamo, run by PyTorch's own kernels) calling the native kernels as custom ops, the routed
-    experts in one call a layer by expert id; its logits are the per-kernel step's."""
+    experts in one call a layer by expert id; its logits are the per-kernel step's. "triton": the routed experts
+    through CUDA's experts call instead (kernels/triton_experts.py, in Triton's interpreter), by its table."""
+    if experts == "triton":
+        if not kernels.triton_products.available():
+            pytest.skip("Triton is not installed")
+        monkeypatch.setattr(kernels, "experts_kernel", lambda device, stored: "triton" if stored == "fp4" else None)
     monkeypatch.setattr(decode_graph, "BACKEND", "eager")
     runtime = open_model("tests/goldens/A2", numerics="fp32", placement=Placement(weights="stored"))
+    steps = 6 if experts == "native" else 3  # (Triton's interpreter takes ~0.3 s a layer's call)
 
     def run(compiled: bool) -> torch.Tensor:
         runtime.model.set_numerics(NUMERICS["fp32"])  # prefill eager: inductor's prefill is test_compiled.py's
         cache = runtime.model.new_cache(1)
         out = [runtime.step(torch.tensor([[5, 6, 7, 8]]), cache)]
         runtime.model.set_numerics(NUMERICS["fp32"].with_compile(compiled))
-        for _ in range(6):
+        for _ in range(steps):
             out.append(runtime.decode(out[-1].argmax(-1), cache))
         return torch.stack(out)
 
@@ -148,7 +156,7 @@ def test_stored_weights_decode_as_one_graph_through_the_kernels(monkeypatch):
     got = run(True)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     graph = runtime.stats()["decode_graph"]
-    assert graph["steps"] == 6 and graph["graphs"] == 1, graph
+    assert graph["steps"] == steps and graph["graphs"] == 1, graph
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

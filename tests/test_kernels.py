@@ -272,10 +272,12 @@ def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
     assert [kernels.product_kernel(cpu, f, 16) for f in ("fp8", "fp4", "bf16")] == ["native"] * 3
     assert kernels.product_kernel(cpu, "fp8", native.MAX_ROWS + 1) is None  # a prefill: dequantized tiles
     assert kernels.product_kernel(cpu, None, 1) is None  # an fp32 weight
-    assert kernels.experts_kernel(cpu, "fp4") and not kernels.experts_kernel(cpu, "fp8")
+    assert kernels.experts_kernel(cpu, "fp4") == "native" and kernels.experts_kernel(cpu, "fp8") is None
     triton = kernels.triton_products.available()
     assert kernels.product_kernel(cuda, "fp4", 4096) == ("triton" if triton else None)
-    assert kernels.product_kernel(cuda, "bf16", 1) is None and not kernels.experts_kernel(cuda, "fp4")
+    assert kernels.product_kernel(cuda, "bf16", 1) is None
+    assert kernels.experts_kernel(cuda, "fp4") == ("triton" if triton else None)
+    assert kernels.experts_kernel(cuda, "fp8") is None
     x, w = torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.uint8)
     assert kernels.serves(x, w, "fp8") and not kernels.serves(x[:, :48], w[:, :48], "fp8")  # K not whole blocks
     assert not kernels.serves(x, w.t().contiguous().t(), "fp8")  # a strided weight

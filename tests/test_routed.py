@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.config import load_config
-from openflash.kernels import native
+from openflash.kernels import native, triton_products
 from openflash.model import routed
 from openflash.model.moe import MoE, batched_swiglu
 from openflash.model.numerics import FP32, PLAIN, TRAIN
@@ -81,6 +81,35 @@ def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
     assert {path.split()[0] for path in got} | {"grouped"} | untested == set(routed.ROUTED_PATHS)
     for path, y in got.items():
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{path}: {m}")
+
+
+@pytest.mark.skipif(not triton_products.available(), reason="Triton is not installed")
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_layer_s_triton_experts_call_computes_the_grouped_sum(tokens, monkeypatch):
+    """On CUDA the MoE's experts call goes to kernels/triton_experts.py (Triton's interpreter here, on the CPU):
+    through the layer's kept table of its experts' addresses, by global expert id, in the eager step and in the
+    decode graph's static call; the table is rebuilt when the experts move."""
+    monkeypatch.setattr(kernels, "experts_kernel", lambda device, stored: "triton" if stored == "fp4" else None)
+    moe = _moe("quantized")
+    for module in moe.modules():
+        if hasattr(module, "numerics"):
+            module.numerics = FP32
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        weights, ids = moe.gate(x, None)
+        counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
+        shared = moe.shared_experts(x).float()
+        want = routed.grouped(x, weights, ids, {e: moe.experts[e] for e in counts.nonzero().flatten().tolist()},
+                              shared)
+        in_model = functools.partial(moe._native_experts, lambda chosen: {e: moe.experts[e] for e in chosen})
+        every_expert = functools.partial(moe._native_experts, None)
+        for y in (routed.native(x, weights, ids, in_model, lambda y: y, shared),
+                  routed.native(x, weights, ids, every_expert, lambda y: y, shared, static=True)):
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        table = moe.expert_tables()
+        assert moe.expert_tables() is table
+        moe._apply(lambda t: t.clone())  # what .to(device) does: every parameter and buffer replaced
+        assert moe.expert_tables() is not table
 
 
 def test_choose_takes_the_calls_facts():

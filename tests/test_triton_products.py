@@ -104,3 +104,70 @@ def test_empty_rows() -> None:
     gen = torch.Generator().manual_seed(5)
     weight, scale, _ = stored("fp8", 32, 32, gen)
     assert triton_products.stored_product(torch.randn(0, 32), weight, scale, "fp8", True).shape == (0, 32)
+
+
+# ---- a layer's routed experts in one call (kernels/triton_experts.py) ----------------------------------------------
+
+def _experts(E: int, K: int, I: int, gen: torch.Generator):
+    """E experts' MXFP4 w1, w3 [I, K/2], w2 [K, I/2] with their scales, and their fp64 dequantized weights."""
+    parts, values = [], []
+    for n, k in ((I, K), (I, K), (K, I)):
+        made = [stored("fp4", n, k, gen, (118, 128)) for _ in range(E)]
+        parts += [[m[0] for m in made], [m[1] for m in made]]
+        values.append([m[2] for m in made])
+    return parts, values
+
+
+def _experts_oracle(x, values, token, expert, weight, limit, act_qdq):
+    """The formula (kernels/native.py fp4_experts) on dequantized weights, each pair added to its token in order."""
+    qdq = formats.act_quant_qdq if act_qdq else (lambda t: t)
+    w1, w3, w2 = values
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t, e, r in zip(token.tolist(), expert.tolist(), weight.tolist()):
+        xe = qdq(x[t:t + 1]).double()
+        gate = (xe @ w1[e].t()).clamp(max=limit)
+        up = (xe @ w3[e].t()).clamp(-limit, limit)
+        h = qdq((r * torch.nn.functional.silu(gate) * up).float()).double()
+        y[t] += (h @ w2[e].t())[0]
+    return y
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act_qdq", [True, False])
+def test_the_experts_call_matches_the_dequantized_experts(device: str, act_qdq: bool) -> None:
+    """K = 96 (three 32-blocks), I = 64 + 32 (a partial 64-wide tile), three experts, tokens with several pairs in
+    no particular order, one token with none (its row stays zero), every E2M1 code; the same as the native call."""
+    from openflash.kernels import triton_experts
+
+    gen = torch.Generator().manual_seed(11)
+    K, I, E, limit = 96, 96, 3, 7.0
+    parts, values = _experts(E, K, I, gen)
+    x = torch.randn(4, K, generator=gen) * 4
+    token, expert = torch.tensor([2, 0, 0, 2, 1, 0]), torch.tensor([1, 0, 2, 0, 2, 1])  # token 3 gets none
+    weight = torch.rand(6, generator=gen)
+    got = triton_experts.fp4_experts(x.to(device), *[[t.to(device) for t in p] for p in parts], token.to(device),
+                                     expert.to(device), weight.to(device), limit, act_qdq)
+    want = _experts_oracle(x, values, token, expert, weight, limit, act_qdq)
+    check(got, want)
+    assert bool((got[3] == 0).all())
+
+
+def test_the_experts_call_names_bad_arguments() -> None:
+    from openflash.kernels import triton_experts
+
+    gen = torch.Generator().manual_seed(12)
+    parts, _ = _experts(2, 64, 32, gen)
+    pair = dict(token=torch.tensor([0]), expert=torch.tensor([0]), weight=torch.tensor([1.0]), limit=7.0,
+                act_qdq=True)
+    with pytest.raises(ValueError, match=r"a pair names a token outside 0..0 or an expert outside 0..1"):
+        triton_experts.fp4_experts(torch.randn(1, 64), *parts, **{**pair, "expert": torch.tensor([2])})
+    bad = [list(p) for p in parts]
+    bad[4][1] = bad[4][1][:, :8].contiguous()
+    with pytest.raises(ValueError, match=r"w2\[1\] is a torch.uint8 \(64, 8\) tensor on cpu, not contiguous bytes "
+                                         r"\(64, 16\)"):
+        triton_experts.fp4_experts(torch.randn(1, 64), *bad, **pair)
+    with pytest.raises(ValueError, match="token, expert \\(int64\\) and weight \\(fp32\\) must be one value per pair"):
+        triton_experts.fp4_experts(torch.randn(1, 64), *parts, **{**pair, "weight": torch.tensor([1.0, 2.0])})
+    empty = triton_experts.fp4_experts(torch.randn(2, 64), *parts, torch.zeros(0, dtype=torch.long),
+                                       torch.zeros(0, dtype=torch.long), torch.zeros(0), 7.0, True)
+    assert empty.shape == (2, 64) and bool((empty == 0).all())

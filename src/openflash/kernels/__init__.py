@@ -1,6 +1,6 @@
 """Kernels for the stored weight formats. On the CPU: native.py builds, loads and registers them; the C code is gemv.c
 (entry points, the experts' call), activations.c (QDQ, layouts), avx2.c and avx512.c (the products). On CUDA:
-triton_products.py (FP8 and MXFP4 products in Triton).
+triton_products.py (FP8 and MXFP4 products in Triton) and triton_experts.py (a layer's routed FP4 experts).
 
 Whether a kernel serves a product is answered here and only here (`product_kernel`, `serves`, `experts_kernel`):
 the layers, the MoE, the decode graph and `--weights auto` all ask these."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from openflash.kernels import native, triton_products
+from openflash.kernels import native, triton_experts, triton_products
 
 NATIVE_FORMATS = ("fp8", "fp4", "bf16")  # what the CPU kernels read as stored
 TRITON_FORMATS = ("fp8", "fp4")
@@ -34,11 +34,17 @@ def serves(x: torch.Tensor, weight: torch.Tensor, stored: str | None) -> bool:
             and weight.is_contiguous() and x.shape[-1] % native.BLOCK == 0)
 
 
-def experts_kernel(device: torch.device, stored: str | None) -> bool:
-    """Whether one kernel call computes a MoE layer's routed experts from their stored bytes: FP4 experts on the
-    CPU with the native kernels (kernels/native.py `fp4_experts`). CUDA has no grouped experts kernel yet: each
-    expert's products go through `product_kernel`."""
-    return device.type == "cpu" and stored == "fp4" and native.available()
+def experts_kernel(device: torch.device, stored: str | None) -> str | None:
+    """Which kernel computes a MoE layer's routed experts from their stored bytes in one call: "native" for FP4
+    experts on the CPU (kernels/native.py `fp4_experts`), "triton" for FP4 experts on CUDA (triton_experts.py),
+    else None (each expert's products go through `product_kernel`)."""
+    if stored != "fp4":
+        return None
+    if device.type == "cpu" and native.available():
+        return "native"
+    if device.type == "cuda" and triton_products.available():
+        return "triton"
+    return None
 
 
-__all__ = ["product_kernel", "serves", "experts_kernel", "native", "triton_products"]
+__all__ = ["product_kernel", "serves", "experts_kernel", "native", "triton_experts", "triton_products"]

@@ -11,8 +11,8 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
 - cache writes are masked writes (window ring slot = position % window; compressed groups where complete);
 - routed experts run per (token, slot) pair on weights gathered by expert id (model/routed.py `gathered`), from an fp32
   stack of the experts kept beside their own fp32 copies (the routed experts' fp32 bytes twice: for models that
-  fit); experts kept as stored go to the native kernels in one call a layer, by expert id into every expert's bytes
-  (routed.py `native`, static); a model with offloaded experts decodes on the per-kernel path.
+  fit); experts kept as stored go to the experts kernel in one call a layer (native on the CPU, Triton on CUDA), by
+  expert id into every expert's bytes (routed.py `native`, static); offloaded experts decode on the per-kernel path.
 GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
 the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, the gather fused into its loads.
 Weights in "stored" residency are read by the kernels `kernels.product_kernel` names, custom ops in the graph: the
@@ -66,8 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("openflash.model")
 
 CAPACITY_TOKENS = 256  # the smallest compressed capacity, in tokens, a graph is built for
-# The most routed experts a layer may keep as stored for a decode step to be one graph: the native call takes every
-# expert's six tensors as graph inputs. With golden A2's 8 the graph decodes 3.6x faster than the eager step
+# The most routed experts a layer may keep as stored for a decode step to be one graph on the CPU: the native call
+# takes every expert's six tensors as graph inputs (on CUDA the Triton call takes one table of their addresses). With golden A2's 8 the graph decodes 3.6x faster than the eager step
 # (docs/benchmarks.md, weights as stored); with 384 on the tiny preset's widths dynamo's capture alone took minutes
 # and the graph stepped slower than eager (a one-off check, not a kept benchmark).
 STORED_EXPERTS_IN_GRAPH = 64
@@ -132,8 +132,9 @@ class DecodeGraph:
         elif any(not m.experts[0].w1.fp32_resident
                  and not kernels.experts_kernel(m.experts[0].w1.weight.device, m.experts[0].w1.stored_format)
                  for m in self._moes if m.experts):
-            reason = "routed experts kept as stored without an experts kernel here (CUDA has none yet)"
-        elif any(not m.experts[0].w1.fp32_resident and m.n_experts > STORED_EXPERTS_IN_GRAPH for m in self._moes):
+            reason = "routed experts kept as stored without an experts kernel here"
+        elif any(not m.experts[0].w1.fp32_resident and m.n_experts > STORED_EXPERTS_IN_GRAPH
+                 and kernels.experts_kernel(m.experts[0].w1.weight.device, "fp4") == "native" for m in self._moes):
             reason = f"more than {STORED_EXPERTS_IN_GRAPH} routed experts a layer kept as stored"
         elif any(m.adapter is not None for m in self._every_linear):
             reason = "LoRA adapters"
@@ -179,8 +180,11 @@ class DecodeGraph:
             if linear.fp32_resident:  # (stored weights are read as they are)
                 linear.dequantized_weight()
         for moe in self._moes:
-            if moe.experts[0].w1.fp32_resident:
+            first = moe.experts[0].w1
+            if first.fp32_resident:
                 moe.stacked_experts()
+            elif kernels.experts_kernel(first.weight.device, first.stored_format) == "triton":
+                moe.expert_tables()
         return None if engram is None else FetchedRows({s: engram.get(s) for s in self._engram_slots})
 
     def _reserve(self, cache: ModelCache) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from openflash import formats, kernels
 from openflash.config import FlashConfig
+from openflash.kernels.triton_experts import ExpertTables
 from openflash.model import routed
 from openflash.model.compiled import compiled, graph_linear, matmul_unshared
 from openflash.model.context import StepContext
@@ -131,6 +132,8 @@ class MoE(nn.Module, NumericsMixin):
         self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stacked_key: tuple | None = None
+        self._tables: ExpertTables | None = None  # the experts' addresses for the Triton experts call
+        self._tables_key: tuple | None = None
         self._expert_linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # the stack's sources
         # Served adapters (model/adapters.py attach_adapters): which adapter each token uses; None without banks.
         self.adapters: AdapterSelection | None = None
@@ -228,11 +231,14 @@ class MoE(nn.Module, NumericsMixin):
     def _native_experts(self, fetch: Callable[[list[int]], Mapping[int, "Expert"]] | None, x: torch.Tensor,
                         token: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                         active: list[int] | None) -> torch.Tensor:
-        """`routed.native`'s call: the active experts' stored FP4 bytes handed to the native kernels. `fetch` gives
+        """`routed.native`'s call: the active experts' stored FP4 bytes handed to the experts kernel. `fetch` gives
         the experts (this process's share of them, under expert parallelism: the pairs of the others are left out);
         active None: every expert of the model, index being the expert id (a whole-step graph)."""
         if active is None:
             return self._native_call(x, list(self.experts), token, index, weight)
+        if not self.offloaded and kernels.experts_kernel(x.device, "fp4") == "triton":  # the layer's kept table
+            ids = torch.tensor(active, dtype=torch.long, device=x.device)[index]
+            return self._native_call(x, list(self.experts), token, ids, weight)
         experts = fetch(active)
         held = [i for i, e in enumerate(active) if e in experts]
         if len(held) < len(active):
@@ -246,15 +252,16 @@ class MoE(nn.Module, NumericsMixin):
 
     def _native_call(self, x: torch.Tensor, experts: list["Expert"], token: torch.Tensor, index: torch.Tensor,
                      weight: torch.Tensor) -> torch.Tensor:
-        """The native kernels' experts call (kernels/native.py `fp4_experts`) on these experts' stored bytes (the
-        tensors as they are, of one-byte elements: no view per expert, which a whole-step graph would trace)."""
-        def stored(name: str, part: str) -> list[torch.Tensor]:
-            return [getattr(getattr(e, name), part) for e in experts]
-
-        return kernels.native.fp4_experts(x.float(), stored("w1", "weight"), stored("w1", "scale"),
-                                          stored("w3", "weight"), stored("w3", "scale"), stored("w2", "weight"),
-                                          stored("w2", "scale"), token, index, weight, self.experts[0].limit,
-                                          self.numerics.act_quant)
+        """The experts kernel's call on these experts' stored bytes (the tensors as they are, of one-byte elements:
+        no view per expert, which a whole-step graph would trace): kernels/native.py `fp4_experts` on the CPU, on
+        CUDA kernels/triton_experts.py through a table of their addresses (the layer's own for all its experts)."""
+        if kernels.experts_kernel(x.device, "fp4") == "triton":
+            tables = self.expert_tables() if len(experts) == self.n_experts and not self.offloaded else \
+                ExpertTables.of(*_stored_parts(experts), x.shape[-1])
+            return kernels.triton_experts.experts(x.float(), tables, token, index, weight, self.experts[0].limit,
+                                                  self.numerics.act_quant)
+        return kernels.native.fp4_experts(x.float(), *_stored_parts(experts), token, index, weight,
+                                          self.experts[0].limit, self.numerics.act_quant)
 
     def _stack(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fp32 w1, w3, w2 of experts `ids`, stacked [U, out, in]."""
@@ -268,6 +275,18 @@ class MoE(nn.Module, NumericsMixin):
         kernel = compiled(batched_swiglu) if fused else batched_swiglu
         return lambda x, w, w1, w3, w2: kernel(x, w, w1, w3, w2, first.limit, first.w1.quantized and n.act_quant, n)
 
+    def expert_tables(self) -> ExpertTables:
+        """The addresses of every routed expert's stored bytes, for the Triton experts call: kept, and rebuilt when
+        the first or last expert's tensors moved (the experts move together: `.to()`, a load)."""
+        if self._tables is not None and torch.compiler.is_compiling():
+            return self._tables  # a whole-step graph: its runner refreshed the table before the call
+        first, last = self.experts[0], self.experts[-1]
+        key = tuple((t.device, t.data_ptr()) for t in (first.w1.weight, first.w1.scale, last.w2.weight, last.w2.scale))
+        if self._tables is None or self._tables_key != key:
+            self._tables = ExpertTables.of(*_stored_parts(list(self.experts)), first.w1.in_features)
+            self._tables_key = key
+        return self._tables
+
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every routed expert's fp32 w1, w3, w2 stacked [E, out, in] (a copy beside the experts' own, kept while
         their weights are unchanged): what the `gathered` path indexes by expert id."""
@@ -279,6 +298,13 @@ class MoE(nn.Module, NumericsMixin):
             self._stacked = self._stack(list(range(self.n_experts)))
             self._stacked_key = key
         return self._stacked
+
+
+def _stored_parts(experts: list[Expert]) -> list[list[torch.Tensor]]:
+    """The experts' stored w1, s1, w3, s3, w2, s2 (bytes and scales, the tensors as they are) as six lists: what the
+    experts kernels take (triton_experts.PARTS order)."""
+    return [[getattr(getattr(e, lin), part) for e in experts]
+            for lin in ("w1", "w3", "w2") for part in ("weight", "scale")]
 
 
 def batched_swiglu(x: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,

@@ -12,7 +12,8 @@ pairs meet the experts' weights, which decides speed and what shapes depend on t
                compiled decode graph on fp32 experts)
     sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
     offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
-    native     every pair in one call of the native kernels on the experts' stored FP4 bytes (decode-sized steps
+    native     every pair in one call of the experts kernel on their stored FP4 bytes (the native kernels on the
+               CPU, kernels/triton_experts.py on CUDA: kernels.experts_kernel; decode-sized steps
                of experts kept as stored, in the model or from an ExpertSource: up to NATIVE_PAIRS pairs; in the
                compiled decode graph, any number, by expert id into every expert's bytes)
 

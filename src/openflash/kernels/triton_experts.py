@@ -1,0 +1,214 @@
+"""A MoE layer's routed experts in one call on the GPU (Triton), from their MXFP4 bytes as stored: what the native
+kernels' `fp4_experts` does on the CPU (kernels/native.py), with the same arguments and the same sums.
+
+For each routed pair p (token[p], expert[p], routing weight[p]):
+
+    h[p] = weight[p] * silu(min(x[token] W1^T, L)) * clamp(x[token] W3^T, -L, L)     (gate_up: one program per pair
+    y[t] = sum over the pairs p of token t, in pair order, of h[p] W2^T              and I-block; down: per token
+                                                                                      and K-block)
+every product in the reference's block order (triton_products.py: an fp32 partial per 32, times the activation's
+and the weight's UE8M0 scales), x and h FP8-QDQ'd per 32 first with `act_qdq` (the experts' input rounding, as
+their Linears do). Each program reads its expert's rows by a table of the experts' addresses (`ExpertTables`: the
+experts stay where they are, no stacked copy); the pairs of a token are found through a stable sort by token, so
+nothing here reads the routing on the host: a decode step with it records as one CUDA graph. Decode-sized calls
+(a program per pair is a one-row product): the MoE sends a step here where the CPU would take its native call.
+
+With TRITON_INTERPRET=1 (tests/conftest.py on machines without CUDA) it runs in Triton's interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openflash import formats
+from openflash.kernels.native import BLOCK, dispatch
+from openflash.kernels.triton_products import tl, triton
+
+PARTS = ("w1", "s1", "w3", "s3", "w2", "s2")  # the rows of an address table
+
+
+def _e2m1_times(codes, scale_bytes):
+    """E2M1 codes [N, 32] (int32) as fp32 values, and the UE8M0 scale bytes [N] as fp32 (exact: built from bits)."""
+    e = (codes >> 1) & 3
+    mant = (codes & 1).to(tl.float32)
+    mag = tl.where(e == 0, mant * 0.5, (1.0 + mant * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    w = tl.where((codes & 8) != 0, -mag, mag)
+    bits = scale_bytes.to(tl.int32)
+    bits = tl.where(bits == 0, 0x00400000, tl.where(bits == 255, 0x7FC00000, bits << 23))
+    return w, bits.to(tl.float32, bitcast=True)
+
+
+def _block_product(X, XS, row, b, W, WS, n64, n_ok, width, HAS_XS: tl.constexpr):
+    """sum over one 32-block b of x[row] * w[n] (fp32), times x's scale and each row n's weight scale: [BLOCK_N]."""
+    j = tl.arange(0, 32)
+    k = b * 32 + j
+    x = tl.load(X + row * width + k)
+    byte = tl.load(W + n64[:, None] * (width // 2) + (k // 2)[None, :], mask=n_ok[:, None], other=0)
+    codes = (byte.to(tl.int32) >> ((k % 2) * 4)[None, :]) & 0xF
+    w, ws = _e2m1_times(codes, tl.load(WS + n64 * (width // 32) + b, mask=n_ok, other=127))
+    part = tl.sum(x[None, :] * w, axis=1)
+    if HAS_XS:
+        part = part * tl.load(XS + row * (width // 32) + b)
+    return part * ws
+
+
+def _gate_up_kernel(X, XS, TABLES, TOKEN, EXPERT, WEIGHT, H, K, I, E, limit, HAS_XS: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    p = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    n64 = n.to(tl.int64)
+    row = tl.load(TOKEN + p)
+    e = tl.load(EXPERT + p)
+    w1 = tl.load(TABLES + 0 * E + e).to(tl.pointer_type(tl.uint8))
+    s1 = tl.load(TABLES + 1 * E + e).to(tl.pointer_type(tl.uint8))
+    w3 = tl.load(TABLES + 2 * E + e).to(tl.pointer_type(tl.uint8))
+    s3 = tl.load(TABLES + 3 * E + e).to(tl.pointer_type(tl.uint8))
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for b in range(0, K // 32):
+        gate += _block_product(X, XS, row, b, w1, s1, n64, n_ok, K, HAS_XS)
+        up += _block_product(X, XS, row, b, w3, s3, n64, n_ok, K, HAS_XS)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    z = tl.exp(-tl.abs(gate))  # silu without overflow: sigmoid from exp of a non-positive number
+    h = tl.load(WEIGHT + p) * gate * tl.where(gate >= 0, 1.0 / (1.0 + z), z / (1.0 + z)) * up
+    tl.store(H + p.to(tl.int64) * I + n64, h, mask=n_ok)
+
+
+def _down_kernel(H, HS, TABLES, ORDER, STARTS, EXPERT, Y, K, I, E, HAS_XS: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < K
+    n64 = n.to(tl.int64)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for q in range(tl.load(STARTS + t), tl.load(STARTS + t + 1)):  # the token's pairs, in pair order
+        p = tl.load(ORDER + q)
+        e = tl.load(EXPERT + p)
+        w2 = tl.load(TABLES + 4 * E + e).to(tl.pointer_type(tl.uint8))
+        s2 = tl.load(TABLES + 5 * E + e).to(tl.pointer_type(tl.uint8))
+        pair = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for b in range(0, I // 32):
+            pair += _block_product(H, HS, p, b, w2, s2, n64, n_ok, I, HAS_XS)
+        acc += pair
+    tl.store(Y + t.to(tl.int64) * K + n64, acc, mask=n_ok)
+
+
+if triton is not None:
+    _e2m1_times = triton.jit(_e2m1_times)
+    _block_product = triton.jit(_block_product)
+    _GATE_UP, _DOWN = triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
+
+
+@dataclass(frozen=True)
+class ExpertTables:
+    """The addresses of a layer's experts' stored tensors on their device: int64 [6, E] (rows in PARTS order), the
+    experts' inner width I, and the tensors themselves (kept alive while the table is). Built once per layer by its
+    owner (the MoE), which rebuilds it when the weights move."""
+
+    addresses: torch.Tensor
+    inner: int
+    held: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor], s3: list[torch.Tensor],
+           w2: list[torch.Tensor], s2: list[torch.Tensor], K: int) -> "ExpertTables":
+        """The table of these experts' MXFP4 bytes and scales (w1, w3 [I, K/2]; s1, s3 [I, K/32]; w2 [K, I/2];
+        s2 [K, I/32]), each checked: the kernels trust the addresses."""
+        E = len(w1)
+        I = w1[0].shape[0] if E else 0
+        shapes = {"w1": (I, K // 2), "s1": (I, K // BLOCK), "w3": (I, K // 2), "s3": (I, K // BLOCK),
+                  "w2": (K, I // 2), "s2": (K, I // BLOCK)}
+        parts = dict(zip(PARTS, (w1, s1, w3, s3, w2, s2)))
+        if not E or I % BLOCK or K % BLOCK or any(len(t) != E for t in parts.values()):
+            raise ValueError(f"triton fp4_experts: one tensor per expert in each of {', '.join(PARTS)}, K and I "
+                             f"multiples of {BLOCK}; got K {K}, I {I}, {[len(t) for t in parts.values()]} tensors")
+        device = w1[0].device
+        for name, tensors in parts.items():
+            for e, t in enumerate(tensors):
+                if tuple(t.shape) != shapes[name] or t.element_size() != 1 or not t.is_contiguous() \
+                        or t.device != device:
+                    raise ValueError(f"triton fp4_experts: {name}[{e}] is a {t.dtype} {tuple(t.shape)} tensor on "
+                                     f"{t.device}, not contiguous bytes {shapes[name]} on {device}")
+        addresses = torch.tensor([[t.data_ptr() for t in parts[name]] for name in PARTS], dtype=torch.int64)
+        return cls(addresses.to(device), I, tuple(t for name in PARTS for t in parts[name]))
+
+
+def experts_call(x: torch.Tensor, addresses: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                 weight: torch.Tensor, inner: int, limit: float, act_qdq: bool) -> torch.Tensor:
+    """The two kernels on a table's addresses (module doc): y [T, K] fp32. Pairs name experts of the table."""
+    T, K = x.shape
+    P, E = token.numel(), addresses.shape[1]
+    if act_qdq:
+        x, xs = formats.act_quant(x.float())
+    else:
+        x, xs = x.float(), x
+    x, xs = x.contiguous(), xs.contiguous()
+    y = torch.zeros(T, K, dtype=torch.float32, device=x.device)
+    if P == 0 or T == 0:
+        return y
+    token, expert, weight = token.contiguous(), expert.contiguous(), weight.float().contiguous()
+    h = torch.empty(P, inner, dtype=torch.float32, device=x.device)
+    block = 64
+    _GATE_UP[(-(-inner // block), P)](x, xs, addresses, token, expert, weight, h, K, inner, E, float(limit),
+                                      HAS_XS=act_qdq, BLOCK_N=block)
+    if act_qdq:
+        h, hs = formats.act_quant(h)
+    else:
+        hs = h
+    order = torch.argsort(token, stable=True)
+    starts = torch.searchsorted(token[order], torch.arange(T + 1, device=token.device))
+    _DOWN[(-(-K // block), T)](h.contiguous(), hs.contiguous(), addresses, order, starts, expert, y, K, inner, E,
+                               HAS_XS=act_qdq, BLOCK_N=block)
+    return y
+
+
+def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
+                s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
+                expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
+    """native.fp4_experts's call (the same arguments and result) through the Triton kernels; the table of the
+    experts' addresses is built for this call (the MoE keeps its own: `ExpertTables`)."""
+    if triton is None:
+        raise RuntimeError("fp4_experts on the GPU needs Triton (it ships with PyTorch's CUDA builds)")
+    problems = []
+    if x.dim() != 2 or x.dtype != torch.float32:
+        problems.append(f"x must be fp32 [T, K], got {x.dtype} {tuple(x.shape)}")
+    P = token.numel()
+    if token.dtype != torch.int64 or expert.dtype != torch.int64 or weight.dtype != torch.float32 or \
+            not token.shape == expert.shape == weight.shape == (P,):
+        problems.append("token, expert (int64) and weight (fp32) must be one value per pair")
+    elif P and (int(token.min()) < 0 or int(token.max()) >= x.shape[0] or int(expert.min()) < 0
+                or int(expert.max()) >= len(w1)):
+        problems.append(f"a pair names a token outside 0..{x.shape[0] - 1} or an expert outside 0..{len(w1) - 1}")
+    if problems:
+        raise ValueError("triton fp4_experts: " + "; ".join(problems))
+    tables = ExpertTables.of(w1, s1, w3, s3, w2, s2, x.shape[1])
+    return experts_call(x, tables.addresses, token, expert, weight, tables.inner, limit, act_qdq)
+
+
+def experts(x: torch.Tensor, tables: ExpertTables, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
+            limit: float, act_qdq: bool) -> torch.Tensor:
+    """`experts_call` on a kept table, as openflash::triton_fp4_experts inside a traced graph."""
+    return dispatch("triton_fp4_experts", experts_call, x, tables.addresses, token, expert, weight, tables.inner,
+                    limit, act_qdq)
+
+
+def _register_op() -> torch.library.Library:
+    """openflash::triton_fp4_experts on CUDA tensors (and on CPU tensors, which Triton runs only in its interpreter:
+    the tests' traced graphs), with the fake that gives a traced graph its output's shape."""
+    library = torch.library.Library("openflash", "FRAGMENT")
+    library.define("triton_fp4_experts(Tensor x, Tensor addresses, Tensor token, Tensor expert, Tensor weight, "
+                   "int inner, float limit, bool act_qdq) -> Tensor")
+    for key in ("CUDA", "CPU"):
+        library.impl("triton_fp4_experts", experts_call, key)
+    torch.library.register_fake("openflash::triton_fp4_experts",
+                                lambda x, addresses, token, expert, weight, inner, limit, act_qdq:
+                                x.new_empty(x.shape, dtype=torch.float32), lib=library)
+    return library
+
+
+_OP = _register_op()
+
+__all__ = ["ExpertTables", "experts", "experts_call", "fp4_experts", "PARTS"]
