@@ -30,9 +30,13 @@ def test_devices_resolve_or_are_refused_in_one_line(capsys):
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(OpenflashError, match=r"--device cuda: no CUDA device is visible here"):
             resolve_device("cuda")
-        assert cli_main(["generate", "--model", "tiny", "--prompt", "x", "--device", "cuda:0"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "no CUDA device" in err
+        for command in (["generate", "--model", "tiny", "--prompt", "x", "--device", "cuda:0"],
+                        ["train", "--dspark", "--init", "tiny", "--out", "unwritten", "--device", "cuda"],
+                        ["train", "--vision-data", "pairs.jsonl", "--init", "tiny-vl", "--out", "unwritten",
+                         "--device", "cuda"]):
+            assert cli_main(command) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "no CUDA device" in err, (command, err)
     with pytest.raises(OpenflashError, match=r"--device 'gpu0': not a device"):
         resolve_device("gpu0")
     with pytest.raises(OpenflashError, match="openflash runs on the CPU or on CUDA"):

@@ -33,7 +33,7 @@ def test_train_drafter_from_the_cli(tmp_path):
     save_checkpoint(Transformer(cfg), tmp_path / "base", tokenizer_json=tok_path)
     out = subprocess.run([sys.executable, "-m", "openflash.cli", "train", "--dspark", "--init", str(tmp_path / "base"),
                           "--data", str(tmp_path / "data"), "--out", str(tmp_path / "drafted"), "--steps", "30",
-                          "--batch-size", "4", "--seq-len", "64", "--anchors", "8"],
+                          "--batch-size", "4", "--seq-len", "64", "--anchors", "8", "--device", "cpu"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "drafter trained 30 steps" in out.stdout

@@ -58,6 +58,7 @@ class DraftTrainConfig:
     confidence_weight: float = 0.1
     seed: int = 0
     max_minutes: float | None = None
+    device: str = "auto"  # placement.resolve_device: the first CUDA device where there is one
 
 
 @dataclass
@@ -82,15 +83,16 @@ def _data_dir(cfg: DraftTrainConfig) -> Path:
     raise OpenflashError(f"--init {cfg.init}: no {ARGS_FILE} saying where its data is; pass --data")
 
 
-def drafter_model(init: str) -> Runtime:
-    """The trained model of `init` (a checkpoint or a run folder) with a DSpark head (new, random, unless it has
-    one), only the head trainable."""
-    runtime = open_model(str(checkpoint_folder(init)), numerics="train", placement=Placement(weights="dequantized"))
+def drafter_model(init: str, device: str = "auto") -> Runtime:
+    """The trained model of `init` (a checkpoint or a run folder) on `device` with a DSpark head (new, random,
+    unless it has one), only the head trainable."""
+    runtime = open_model(str(checkpoint_folder(init)), numerics="train",
+                         placement=Placement(device=device, weights="dequantized"))
     model = runtime.model
     cfg = model.cfg if model.cfg.dspark is not None else model.cfg.with_dspark()
     if cfg is not model.cfg:
         torch.manual_seed(0)
-        drafted = build_model(cfg, "train")
+        drafted = build_model(cfg, "train", device=model.device)
         missing, unexpected = drafted.load_state_dict(model.state_dict(), strict=False)
         if unexpected or any(not k.startswith("mtp.") for k in missing):
             raise OpenflashError(f"{init}: cannot add a drafter: unexpected {unexpected[:3]}, missing "
@@ -145,7 +147,7 @@ def drafter_loss(model: Transformer, tokens: torch.Tensor, target_logits: torch.
 
 def train_drafter(cfg: DraftTrainConfig) -> dict:
     """Train the drafter of `cfg.init` for cfg.steps (or cfg.max_minutes) and write the model to cfg.out."""
-    runtime = drafter_model(cfg.init)
+    runtime = drafter_model(cfg.init, cfg.device)
     model, source = runtime.model, runtime.folder
     data = TokenDataset(_data_dir(cfg), "train")
     if data.vocab_size != model.cfg.vocab_size:
@@ -164,10 +166,11 @@ def train_drafter(cfg: DraftTrainConfig) -> dict:
         lr = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        tokens, _ = loader.batch_at(step)
+        tokens = loader.batch_at(step)[0].to(model.device)
         with torch.no_grad():
             out = runtime.forward(tokens, hidden=True)
         anchors = torch.randint(0, cfg.seq_len - size - 2, (tokens.shape[0], cfg.anchors), generator=gen)
+        anchors = anchors.to(model.device)
         loss = drafter_loss(model, tokens, out.logits, out.main_hidden, anchors, cfg)
         optimizer.zero_grad(set_to_none=True)
         loss.total.backward()

@@ -116,6 +116,7 @@ class VLTrainConfig:
     freeze_vision: bool = False
     seed: int = 0
     max_minutes: float | None = None
+    device: str = "auto"  # placement.resolve_device: the first CUDA device where there is one
 
 
 def train_vision(cfg: VLTrainConfig) -> dict:
@@ -124,7 +125,7 @@ def train_vision(cfg: VLTrainConfig) -> dict:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(cfg, name) < 1:
             raise OpenflashError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    runtime = open_model(cfg.init, numerics="train", placement=Placement(weights="dequantized"))
+    runtime = open_model(cfg.init, numerics="train", placement=Placement(device=cfg.device, weights="dequantized"))
     model, tokenizer, source = runtime.model, runtime.tokenizer, runtime.folder
     examples = read_pairs(cfg.data, model.cfg, tokenizer, cfg.seq_len)
     for name, p in model.named_parameters():
