@@ -160,8 +160,9 @@ class Transformer(nn.Module):
         if self.vision is None:
             raise ValueError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes no "
                              "images")
-        vit = self.vision(patches.to(self.device), n_vit_h, n_vit_w)
-        cells = self.aligner(vit, n_vit_h, n_vit_w)
+        with self.numerics.gemm_kernels(self.device):
+            vit = self.vision(patches.to(self.device), n_vit_h, n_vit_w)
+            cells = self.aligner(vit, n_vit_h, n_vit_w)
         if probe is not None:
             probe.record("vit_out", vit)
             probe.record("aligner_out", cells)
@@ -274,8 +275,9 @@ class Transformer(nn.Module):
         (positions advance by lengths[b]) and the logits are those of its last real token (with all_logits, the
         padded positions' rows mean nothing).
         """
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
-                          lengths=lengths)[0]
+        with self.numerics.gemm_kernels(self.device):
+            return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
+                              lengths=lengths)[0]
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
@@ -284,8 +286,9 @@ class Transformer(nn.Module):
                     lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
         non-final bounded prefill chunk, whose decoder half has not run yet)."""
-        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts,
-                          lengths=lengths)
+        with self.numerics.gemm_kernels(self.device):
+            return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts,
+                              lengths=lengths)
 
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
