@@ -108,8 +108,10 @@ class Runtime:
     @property
     def records_decode_graphs(self) -> bool:
         """Decode steps are recorded as CUDA graphs and replayed (a compiled model on CUDA: decode_graph.py), so a
-        batch of a size recorded before replays where a new size is recorded first."""
-        return self.device.type == "cuda" and self.model.numerics.compiled
+        batch of a size recorded before replays where a new size is recorded first. Not with served adapters or an
+        expert store: those steps run on the per-kernel path (DecodeGraph.why_not)."""
+        return self.device.type == "cuda" and self.model.numerics.compiled and self.adapters is None \
+            and self.experts is None
 
     def new_cache(self, batch_size: int = 1, capacity: int = 0, spare: int = 0) -> ModelCache:
         return self.model.new_cache(batch_size, capacity, spare)
