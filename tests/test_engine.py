@@ -87,6 +87,32 @@ def test_paged_cache_matches_dense_and_frees_blocks(plain):
     assert factory.pool.blocks_in_use == 0
 
 
+
+@pytest.mark.parametrize("storage", ["fp32", "packed"])
+def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(tiny, storage, monkeypatch):
+    """A decode step reads a store's index keys and gathers the picked entries' KV, never every entry's KV (the
+    lazy CompressedView); `gather` gives the rows of `read` it names, and `read_index` read's index keys."""
+    rt = tiny
+    rt.model.set_numerics(NUMERICS["fp32"])  # packed storage holds the QDQ'd formats
+    factory = CacheFactory.create(rt.cfg, storage, block_size=4)
+    cache = factory.empty(2)
+    rt.step(torch.tensor(prompts(2, 45, 46, seed=9)), cache)
+    for store in cache.compressed.values():
+        n = int(store.length.max())
+        kv, index_k = store.read(n)
+        picks = torch.tensor([[[0, n - 1, 3]], [[2, 1, n - 2]]])
+        assert torch.equal(store.gather(picks), kv[torch.arange(2).view(2, 1, 1), picks])
+        assert torch.equal(store.read_index(n), index_k)
+    want = rt.decode(torch.tensor([5, 6]), cache.select([0, 1]))
+
+    def whole(self, n):
+        raise AssertionError("a decode step read every entry's KV")
+
+    monkeypatch.setattr(type(next(iter(cache.compressed.values()))), "read", whole)
+    assert torch.equal(rt.decode(torch.tensor([5, 6]), cache), want)
+    rt.model.set_numerics(NUMERICS["plain"])
+
+
 def test_block_pool_copy_on_write_and_growth():
     cfg = load_config("tiny")
     pool = BlockPool(EntryLayout(cfg.head_dim, cfg.index_head_dim, "fp32"), block_size=2, initial_blocks=2)

@@ -95,10 +95,20 @@ class EntryLayout:
         return {"kv": kv_packed, "kv_scale": kv_scale, "index_k": ik_packed, "index_scale": ik_scale}
 
     def decode(self, planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_part(planes, "kv"), self.decode_part(planes, "index_k")
+
+    def decode_part(self, planes: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+        """One half of the entries: "kv" or "index_k" (from its planes: the value and, packed, its scales)."""
         if self.storage == "fp32":
-            return planes["kv"], planes["index_k"]
-        return (formats.decode_kv_fp4(planes["kv"], planes["kv_scale"]),
-                formats.decode_index_mxfp4(planes["index_k"], planes["index_scale"]))
+            return planes[part]
+        if part == "kv":
+            return formats.decode_kv_fp4(planes["kv"], planes["kv_scale"])
+        return formats.decode_index_mxfp4(planes["index_k"], planes["index_scale"])
+
+    def part_planes(self, part: str) -> tuple[str, ...]:
+        """The planes that hold one half of the entries ("kv" or "index_k")."""
+        return tuple(name for name in {"kv": ("kv", "kv_scale"), "index_k": ("index_k", "index_scale")}[part]
+                     if name in self.planes())
 
 
 class BlockPool:
@@ -197,11 +207,19 @@ class BlockPool:
             plane = self.planes[name]
             masked_put(plane, (blocks, offsets), keep, value)
 
-    def gather(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk])."""
+    def gather(self, table: torch.Tensor, part: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Entries of block table [B, nb] -> (kv [B, nb * block_size, D], index_k [B, nb * block_size, Dk]), or
+        only `part` of them ("kv" or "index_k")."""
         B, nb = table.shape
-        planes = {name: t[table].reshape(B, nb * self.block_size, t.shape[-1]) for name, t in self.planes.items()}
-        return self.layout.decode(planes)
+        names = self.planes if part is None else self.layout.part_planes(part)
+        planes = {name: self.planes[name][table].reshape(B, nb * self.block_size, self.planes[name].shape[-1])
+                  for name in names}
+        return self.layout.decode(planes) if part is None else self.layout.decode_part(planes, part)
+
+    def entries(self, blocks: torch.Tensor, offsets: torch.Tensor, part: str) -> torch.Tensor:
+        """`part` of the entries at (blocks, offsets) [...], decoded: [..., width]."""
+        planes = {name: self.planes[name][blocks, offsets] for name in self.layout.part_planes(part)}
+        return self.layout.decode_part(planes, part)
 
     def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
         """Raw plane contents of some blocks (for persisting a prefix cache)."""

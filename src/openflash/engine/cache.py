@@ -129,12 +129,26 @@ class PagedCompressedCache:
 
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk]); rows with fewer read zeros."""
+        kv, index_k = self.pool.gather(self._blocks(n))
+        return kv[:, :n], index_k[:, :n]
+
+    def read_index(self, n: int) -> torch.Tensor:
+        return self.pool.gather(self._blocks(n), "index_k")[:, :n]
+
+    def gather(self, picks: torch.Tensor) -> torch.Tensor:
+        """Only the picked entries' blocks are read and decoded (a decode step's top-k, not the whole table)."""
+        bs = self.pool.block_size
+        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
+        blocks = self.device_table[rows, torch.div(picks, bs, rounding_mode="floor")]
+        return self.pool.entries(blocks, picks % bs, "kv")
+
+    def _blocks(self, n: int) -> torch.Tensor:
+        """The table's first ceil(n / block_size) blocks of every row, padded with the zero block."""
         nb = -(-n // self.pool.block_size)
         table = self.device_table[:, :nb]
         if table.shape[1] < nb:
             table = torch.cat((table, table.new_zeros(table.shape[0], nb - table.shape[1])), dim=1)
-        kv, index_k = self.pool.gather(table)
-        return kv[:, :n], index_k[:, :n]
+        return table
 
     def remember_inputs(self, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
                         valid: torch.Tensor) -> None:

@@ -287,18 +287,18 @@ class Attention(nn.Module, NumericsMixin):
             # A training sequence starts at position 0: its complete groups are the first S // ratio (from the
             # shape, not a host read of `complete`, which would break a compiled graph).
             n = ctx.positions.shape[1] // ratio
-            view = CompressedView(kv[:, :n], index_k[:, :n], torch.full_like(ctx.positions[:, 0], n))
+            view = CompressedView(torch.full_like(ctx.positions[:, 0], n), n, kv=kv[:, :n], index_k=index_k[:, :n])
         elif ctx.static:  # the cache's whole capacity, entries past `length` masked by their readers
             state.write_groups(entry_ids, complete, kv.detach(), index_k.detach())
             state.length = visible_entries(ctx.last_positions, ratio)
-            view = CompressedView(*state.read(state.capacity), state.length)
+            view = CompressedView(state.length, state.capacity, store=state)
         else:
             b_idx, g_idx = complete.nonzero(as_tuple=True)
             state.write(b_idx, entry_ids[b_idx, g_idx], kv[b_idx, g_idx].detach(), index_k[b_idx, g_idx].detach())
             if b_idx.numel():
                 ctx.cache.index_k_publisher = self.topo.index
             state.length = visible_entries(ctx.last_positions, ratio)
-            view = CompressedView(*state.read(int(state.length.max())), state.length)
+            view = CompressedView(state.length, int(state.length.max()), store=state)
         ctx.compressed[self.topo.index] = view
 
     # ---- forward ----------------------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ class Attention(nn.Module, NumericsMixin):
                 picks = ctx.topk[topo.topk_owner]
             if ctx.dense_indexer:
                 # Indexer warm-up: attend to every visible compressed entry (dense), no selection.
-                T = view.kv.shape[1]
+                T = view.size
                 n_vis = torch.minimum(visible_entries(pos, topo.compress_ratio), view.length.unsqueeze(1))
                 picks = torch.arange(T, device=x.device).expand(B, S, T)
                 picks = torch.where(picks < n_vis.unsqueeze(-1), picks, torch.full_like(picks, -1))
@@ -383,8 +383,7 @@ class AttentionKernels:
         selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=q.device)
         if picks is not None:
             selected_mask = picks >= 0
-            rows = torch.arange(B, device=q.device).view(B, 1, 1)
-            selected_kv = view.kv[rows, picks.clamp(min=0)].to(q.dtype)
+            selected_kv = view.picked(picks).to(q.dtype)
         return self.sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, attn.attn_sink.float(),
                                      attn.scale, attn.numerics.round)
 
@@ -452,10 +451,10 @@ def _stale_index_keys(view: CompressedView, ctx: StepContext) -> CompressedView:
     publisher = None if ctx.cache is None else ctx.cache.index_k_publisher
     if publisher is None:
         return view
-    keys = ctx.cache.compressed[publisher].read(view.kv.shape[1])[1]
-    if keys.shape[1] < view.kv.shape[1]:
-        keys = F.pad(keys, (0, 0, 0, view.kv.shape[1] - keys.shape[1]))
-    return CompressedView(view.kv, keys, view.length)
+    keys = ctx.cache.compressed[publisher].read_index(view.size)
+    if keys.shape[1] < view.size:
+        keys = F.pad(keys, (0, 0, 0, view.size - keys.shape[1]))
+    return CompressedView(view.length, view.size, kv=view.kv, index_k=keys)
 
 
 def _indexer_kl(index_scores: torch.Tensor, picks: torch.Tensor, p_selected: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,13 @@ class CompressedStore(Protocol):
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
 
+    def read_index(self, n: int) -> torch.Tensor:
+        """The index keys of entries [0, n) of every row: [B, n, Dk] (`read`'s second half, alone)."""
+
+    def gather(self, picks: torch.Tensor) -> torch.Tensor:
+        """The kv of entries picks [B, ...] (ids >= 0, each below what row b can read) of each row b:
+        [B, ..., D]."""
+
     capacity: int  # entries each row can read (`read(capacity)`) without growing
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:

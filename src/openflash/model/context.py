@@ -15,7 +15,7 @@ from typing import Iterator, Mapping, Protocol
 import torch
 from torch import nn
 
-from openflash.model.cache import ModelCache
+from openflash.model.cache import CompressedStore, ModelCache
 from openflash.model.numerics import Numerics
 
 
@@ -57,13 +57,39 @@ def real_tokens(positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.
     return torch.arange(positions.shape[1], device=positions.device) < lengths.unsqueeze(1)
 
 
-@dataclass
 class CompressedView:
-    """The compressed entries a layer may read: [0, length[b]) of row b."""
+    """The compressed entries a layer may read: [0, length[b]) of row b, `size` entries wide. Given as tensors
+    (a training sequence), or read from a cache's store when asked: the indexer reads the index keys, and attention
+    only the entries its queries picked (a decode step never decodes the whole compressed KV)."""
 
-    kv: torch.Tensor  # [B, T, head_dim]
-    index_k: torch.Tensor  # [B, T, index_head_dim]
-    length: torch.Tensor  # [B]
+    def __init__(self, length: torch.Tensor, size: int, *, kv: torch.Tensor | None = None,
+                 index_k: torch.Tensor | None = None, store: CompressedStore | None = None) -> None:
+        if store is None and (kv is None or index_k is None):
+            raise ValueError("a CompressedView needs its kv and index keys, or the store to read them from")
+        self.length, self.size, self.store = length, size, store  # length [B]
+        self._kv, self._index_k = kv, index_k
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """[B, size, head_dim], every entry (read whole from the store on first use)."""
+        if self._kv is None:
+            self._kv, self._index_k = self.store.read(self.size)
+        return self._kv
+
+    @property
+    def index_k(self) -> torch.Tensor:
+        """[B, size, index_head_dim]."""
+        if self._index_k is None:
+            self._index_k = self.store.read_index(self.size)
+        return self._index_k
+
+    def picked(self, picks: torch.Tensor) -> torch.Tensor:
+        """The kv of the entries picks [B, S, k] names ([B, S, k, head_dim]; a -1 pick reads some entry: masked by
+        the caller)."""
+        if self._kv is None:
+            return self.store.gather(picks.clamp(min=0))
+        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
+        return self._kv[rows, picks.clamp(min=0)]
 
 
 @dataclass

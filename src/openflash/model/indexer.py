@@ -166,7 +166,7 @@ class Indexer(nn.Module, NumericsMixin):
         q = n.index_fp4(n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2))))
         w = n.round(self.weights_proj(x) * self.weight_scale)
         score = index_kernels(n).scores(q, view.index_k, w)
-        T = view.kv.shape[1]
+        T = view.size
         n_visible = torch.minimum(visible_entries(ctx.positions, self.topo.compress_ratio), view.length.unsqueeze(1))
         visible = torch.arange(T, device=x.device) < n_visible.unsqueeze(-1)
         return score.masked_fill(~visible, float("-inf")), n_visible

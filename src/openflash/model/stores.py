@@ -201,6 +201,13 @@ class CompressedCache:
         """Entries [0, n) of every row: (kv [B, n, D], index_k [B, n, Dk])."""
         return self.kv[:, :n], self.index_k[:, :n]
 
+    def read_index(self, n: int) -> torch.Tensor:
+        return self.index_k[:, :n]
+
+    def gather(self, picks: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
+        return self.kv[rows, picks]
+
     @property
     def capacity(self) -> int:
         return int(self.kv.shape[1])

@@ -416,7 +416,7 @@ class Transformer(nn.Module):
         by the caller with `cache.engram` advanced past the prefix; `images`: the image rows among them."""
         S = input_ids.shape[1]
         positions = torch.arange(start, start + S, device=input_ids.device).unsqueeze(0)
-        views = {i: CompressedView(*c.read(int(c.length.max())), c.length) for i, c in cache.compressed.items()}
+        views = {i: CompressedView(c.length, int(c.length.max()), store=c) for i, c in cache.compressed.items()}
         ctx = StepContext(positions, self.numerics, cache=cache, compressed=views, experts=experts)
         n_layers, split = len(self.layers), self.cfg.topology.decoder_start
         bounded = bounded and split < n_layers and self.cfg.topology.bounded_replay_ok

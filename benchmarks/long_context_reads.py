@@ -1,0 +1,115 @@
+"""What a decode step reads from the compressed cache: every entry's KV (as before) against the index keys and only
+the picked entries' KV (CompressedView reads lazily), side by side in one run.
+
+    python benchmarks/long_context_reads.py [--contexts 2048 8192 32768] [--threads 2] [--rounds 5]
+
+Two measurements, the variants alternating round by round:
+- store: one owner layer's paged cache in the engine's packed storage at the released widths (head_dim 512, index
+  keys 128, ratio 4, index_topk 512, one row): `read` of every entry against `read_index` + `gather` of the top-k;
+- model: `small` (head_dim 64, index keys 64, index_topk 16) with the engine's packed paged cache, a decode step
+  after a prompt of each length, the lazy view against one whose KV is read whole (as every step did before).
+
+Random weights, fp32 numerics, eager. Writes benchmarks/results/long_context_reads.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from openflash import formats
+from openflash.checkpoint import open_model
+from openflash.engine.block_pool import BlockPool, EntryLayout
+from openflash.engine.cache import CacheFactory, PagedCompressedCache
+from openflash.model.context import CompressedView
+
+RESULTS = Path(__file__).parent / "results" / "long_context_reads.json"
+
+
+def _alternate(variants: dict[str, callable], rounds: int) -> dict[str, float]:
+    """Median milliseconds of each variant, the variants alternating round by round (after one warm-up each)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
+
+
+def store_reads(context: int, rounds: int) -> dict[str, float]:
+    """One released-width owner layer (ratio 4): every entry's KV and index keys against the index keys and the
+    top-k entries' KV."""
+    ratio, topk, head_dim, index_dim = 4, 512, 512, 128
+    pool = BlockPool(EntryLayout(head_dim, index_dim, "packed"), block_size=64)
+    store = PagedCompressedCache.empty(pool, 1, ratio, head_dim)
+    n = context // ratio
+    g = torch.Generator().manual_seed(0)
+    kv = formats.fp4_qdq_e4m3(torch.randn(n, head_dim, generator=g))  # what the model stores: QDQ'd values
+    index_k = formats.fp4_qdq_ue8m0(torch.randn(n, index_dim, generator=g))
+    store.write(torch.zeros(n, dtype=torch.long), torch.arange(n), kv, index_k)
+    picks = torch.sort(torch.randperm(n, generator=g)[:min(topk, n)]).values.view(1, 1, -1)
+    return _alternate({"whole_ms": lambda: store.read(n),
+                       "picked_ms": lambda: (store.read_index(n), store.gather(picks))}, rounds)
+
+
+def model_decode(contexts: list[int], rounds: int) -> dict[str, dict[str, float]]:
+    """`small` with the engine's packed cache: a decode step after each prompt length, KV read lazily (now) or
+    whole at the view's creation (before)."""
+    rt = open_model("small", numerics="fp32")
+    factory = CacheFactory.create(rt.model.cfg, "packed", 16)
+    picked = CompressedView.picked
+    out: dict[str, dict[str, float]] = {}
+    g = torch.Generator().manual_seed(0)
+    for context in contexts:
+        cache = factory.empty(1)
+        ids = torch.randint(3, rt.model.cfg.vocab_size, (1, context), generator=g)
+        for start in range(0, context, 512):
+            logits = rt.step(ids[:, start:start + 512], cache)
+        token = logits.argmax(-1)
+
+        def step() -> None:  # the same position each time: the step rolls back what it wrote
+            snapshot = cache.select([0])
+            rt.decode(token, snapshot)
+            snapshot.release()
+
+        def whole(view: CompressedView, picks: torch.Tensor) -> torch.Tensor:
+            view.kv  # noqa: B018  (read whole, as every step did before)
+            return picked(view, picks)
+
+        def before() -> None:
+            CompressedView.picked = whole
+            try:
+                step()
+            finally:
+                CompressedView.picked = picked
+
+        out[str(context)] = _alternate({"whole_ms": before, "picked_ms": step}, rounds)
+        cache.release()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"threads": args.threads, "rounds": args.rounds,
+               "store_released_widths": {str(c): store_reads(c, args.rounds) for c in args.contexts},
+               "small_decode_step": model_decode(args.contexts, args.rounds)}
+    print(json.dumps(results, indent=1))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
