@@ -12,7 +12,8 @@ import torch
 
 
 class GroupedStore(Protocol):
-    """What a compressed store's rollback rewrites (`rollback_compressed`): its entry counts and open group."""
+    """What a compressed store's rollback and restart rewrite (`rollback_compressed`, `restart_compressed`): its
+    entry counts and open group."""
 
     length: torch.Tensor  # [B] complete entries
     inputs: "InputHistory | None"
