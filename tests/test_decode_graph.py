@@ -179,3 +179,50 @@ def test_the_graph_captures_whole_and_grows_without_recompiling(tiny, monkeypatc
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert graph.steps == 12 and graph.graphs == 1
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_cannot_be_one_graph_is_refused_before_it_runs_and_runs_per_kernel(tiny, monkeypatch):
+    """A graph break inside the step (here a data-dependent branch around it) is refused while tracing (fullgraph):
+    dynamo's resumed frames would be shared by every layer without the module guards the graph skips. The step
+    runs per kernel, with the eager step's logits, and so do the next ones (why_not names the reason)."""
+    model = tiny
+    monkeypatch.setattr(decode_graph, "BACKEND", "eager")
+    model.set_numerics(PLAIN)
+    ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(5))
+    want = _decode_run(model, ids, 2)
+    static = model.static_decode
+
+    def branching(input_ids, cache, rows):
+        if bool(input_ids.sum() >= 0):  # a data-dependent branch: not one graph
+            return static(input_ids, cache, rows)
+        return static(input_ids, cache, rows)
+
+    monkeypatch.setattr(model, "static_decode", branching)
+    cache, logits = _prefill(model, ids)
+    graph, got = DecodeGraph(model), [logits]
+    for _ in range(2):
+        got.append(graph(got[-1].argmax(-1).view(-1, 1), cache, None))
+    assert graph.broken is not None and graph.steps == 0
+    assert "could not be traced as one graph" in graph.why_not(cache, None, None, False, None)
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_s_packed_cache_decodes_as_one_graph(monkeypatch):
+    """The engine's packed storage (FP4 KV, MXFP4 index keys, FP8 rings) written by the whole-step graph: one
+    graph (its exact KV encoder has no data-dependent branch), the eager step's logits. It broke in two before,
+    and the resumed halves, shared across layers, gave wrong logits."""
+    from openflash.engine.cache import CacheFactory
+
+    monkeypatch.setattr(decode_graph, "BACKEND", "eager")
+    runtime = open_model("tiny", numerics="fp32")
+    cache = CacheFactory.create(runtime.cfg, "packed", 4).empty(2)
+    runtime.step(torch.randint(3, 900, (2, 45), generator=torch.Generator().manual_seed(6)), cache)
+    twin = cache.select([0, 1])
+    graph = DecodeGraph(runtime.model)
+    tokens = torch.tensor([5, 6])
+    monkeypatch.setattr(runtime, "_graph", lambda: graph)
+    got = [runtime.decode(tokens, cache) for _ in range(3)]
+    monkeypatch.setattr(runtime, "_graph", lambda: None)
+    want = [runtime.decode(tokens, twin) for _ in range(3)]
+    assert graph.broken is None and graph.steps == 3 and graph.graphs == 1, (graph.broken, graph.stats())
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)

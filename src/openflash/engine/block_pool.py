@@ -31,29 +31,35 @@ def encode_kv_exact(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The plain encoder recomputes the scale from the QDQ'd block's amax. That reproduces the original scale
     whenever it is an E4M3 normal (the block's max then sits at code 6), but a subnormal scale (amax < 6 * 2^-6)
     can come back one grid step smaller. The original scale is one of the few subnormal codes above the recomputed
-    one, so those blocks try the next codes until the round trip is exact.
+    one, so those blocks try the next codes until the round trip is exact. Every block is tried with masks, no
+    shape depending on which blocks need it: a whole-step decode graph writes through here, and a data-dependent
+    branch would break it in two (model/decode_graph.py).
     """
     packed, scales = formats.encode_kv_fp4(v)
     blocks = v.float().unflatten(-1, (-1, 16))
-    decoded = formats.decode_kv_fp4(packed, scales).unflatten(-1, (-1, 16))
-    bad = ((decoded != blocks) & ~(decoded.isnan() & blocks.isnan())).any(-1)  # NaN blocks round-trip as NaN
-    if not bool(bad.any()):
-        return packed, scales
-    idx = bad.nonzero(as_tuple=True)
-    vb, base = blocks[idx], scales[idx].int()
-    done = torch.zeros_like(base, dtype=torch.bool)
+    done = _round_trips(formats.e2m1_decode(formats.unpack_fp4(packed)).unflatten(-1, (-1, 16)), scales, blocks)
+    if not torch.compiler.is_compiling() and bool(done.all()):
+        return packed, scales  # (eager: the common case, nothing to repair)
+    base = scales.int()
+    codes = packed.unflatten(-1, (-1, 8))
     for step in range(1, _E4M3_MIN_NORMAL_CODE + 1):
         code = (base + step).clamp(max=126).to(torch.uint8)
         s = formats.e4m3_decode(code).unsqueeze(-1)
-        q = formats.e2m1_encode((vb / s).clamp(-formats.E2M1_MAX, formats.E2M1_MAX))
-        ok = ~done & (formats.e2m1_decode(q) * s == vb).all(-1)
-        sel = tuple(i[ok] for i in idx)
-        scales[sel] = code[ok]
-        packed.unflatten(-1, (-1, 8))[sel] = formats.pack_fp4(q[ok])
-        done |= ok
-        if bool(done.all()):
-            return packed, scales
-    raise ValueError("encode_kv_exact: the input is not an FP4/E4M3-per-16 QDQ'd tensor")
+        q = formats.e2m1_encode((blocks / s).clamp(-formats.E2M1_MAX, formats.E2M1_MAX))
+        ok = ~done & _round_trips(formats.e2m1_decode(q), code, blocks)
+        scales = torch.where(ok, code, scales)
+        codes = torch.where(ok.unsqueeze(-1), formats.pack_fp4(q), codes)
+        done = done | ok
+    if not torch.compiler.is_compiling() and not bool(done.all()):
+        raise ValueError("encode_kv_exact: the input is not an FP4/E4M3-per-16 QDQ'd tensor")
+    return codes.flatten(-2), scales
+
+
+def _round_trips(values: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per block of 16: E2M1 values [..., n, 16] times their E4M3 scale bytes [..., n] give `blocks` back (NaN
+    blocks round-trip as NaN)."""
+    decoded = values * formats.e4m3_decode(scales).unsqueeze(-1)
+    return ((decoded == blocks) | (decoded.isnan() & blocks.isnan())).all(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -97,11 +97,15 @@ class DecodeGraph:
         # step: it is skipped, which is safe because this graph serves one model under one numerics policy and
         # weight residency (the runtime keeps one DecodeGraph per pair), whose structure does not change, and
         # because its compiled code hangs on a code object of its own, never tried on another model. Guards on
-        # the cache and the inputs (shapes, dtypes) stay.
+        # the cache and the inputs (shapes, dtypes) stay. It must be one graph (fullgraph): after a graph break
+        # dynamo resumes in frames of their own, which every layer shares, and without those guards one layer's
+        # resumed code would run for the next (a data-dependent branch in the packed KV encoder did that: wrong
+        # logits). A step that cannot be one graph is refused at tracing, before it runs (`broken`).
         own = _decode.__code__.replace(co_name=f"decode_graph_{id(self):x}")
         self._step: Callable[..., torch.Tensor] = torch.compile(
-            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None, backend=BACKEND,
+            types.FunctionType(own, _decode.__globals__, own.co_name), dynamic=None, backend=BACKEND, fullgraph=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.broken: str | None = None  # why tracing the step as one graph failed (then it runs per kernel)
         self._every_linear = [m for m in model.modules() if isinstance(m, Linear)]
         self._linears = [m for m in self._every_linear if m.quantized]
         self._moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -120,7 +124,9 @@ class DecodeGraph:
                 experts: ExpertSource | None) -> str | None:
         """None when the step can run as one graph, else the reason (logged once per reason)."""
         reason = None
-        if probe is not None or images is not None or hidden:
+        if self.broken is not None:
+            reason = f"a step that could not be traced as one graph ({self.broken})"
+        elif probe is not None or images is not None or hidden:
             reason = "a probe, images or drafter taps"
         elif experts is not None or any(m.offloaded for m in self._moes):
             reason = "routed experts from an ExpertSource"
@@ -148,11 +154,18 @@ class DecodeGraph:
         rows = self.prepare(cache, engram)
         self.steps += 1
         compiled, start = _graphs_compiled(), time.perf_counter()
-        with quiet_lru_cache_warnings():
-            if self._replayed is not None:
-                logits = self._replayed(self.model, input_ids, cache, None if rows is None else rows.rows)
-            else:
-                logits = self._step(self.model, input_ids, cache, rows)
+        try:
+            with quiet_lru_cache_warnings():
+                if self._replayed is not None:
+                    logits = self._replayed(self.model, input_ids, cache, None if rows is None else rows.rows)
+                else:
+                    logits = self._step(self.model, input_ids, cache, rows)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # refused while tracing: nothing ran
+            self.broken = str(exc).strip().splitlines()[0][:300]
+            log.warning("the decode step could not be traced as one graph, it runs per kernel from now on: %s",
+                        self.broken)
+            self.steps -= 1
+            return self.model.step(input_ids, cache, engram=engram)
         if _graphs_compiled() > compiled:  # this call compiled (nothing else compiles inside it)
             seconds = time.perf_counter() - start
             self.graphs += 1
