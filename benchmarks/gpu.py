@@ -9,7 +9,8 @@ skipped and says so):
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
 - kernels: products on stored FP8 / MXFP4 weights at released shapes (kernels/triton_products.py) beside
   dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s; a MoE layer's routed
-  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 16 tokens;
+  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 16 tokens; the indexer's scores
+  from the packed pool (kernels/triton_index.py) beside the keys read out, 32K and 256K entries;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;
@@ -166,6 +167,41 @@ def kernels(b: Bench) -> dict[str, Any]:
                 "kernel_GBps": round(stored_bytes / kernel_s / 1e9, 1),
                 "kernel_TFLOPs": round(2 * r * n * k / kernel_s / 1e12, 2)}
     out.update(_experts(b))
+    out.update(_index_scores(b))
+    return out
+
+
+def _index_scores(b: Bench) -> dict[str, Any]:
+    """The indexer's scores of one decode query at the released widths (32 heads, 128-wide MXFP4 keys, packed
+    pool) over 32K to 256K entries (128K to 1M tokens at ratio 4): kernels/triton_index.py from the pool beside the
+    keys read out and scored by the fp32 ops."""
+    from openflash import formats
+    from openflash.engine.block_pool import BlockPool, EntryLayout
+    from openflash.engine.cache import PagedCompressedCache
+    from openflash.kernels.triton_index import paged_index_scores
+    from openflash.model.indexer import index_scores
+
+    H, D, runs = (32, 128, 20) if not b.dry else (4, 32, 1)
+    out: dict[str, Any] = {}
+    for n in ((32768, 262144) if not b.dry else (100,)):
+        pool = BlockPool(EntryLayout(512 if not b.dry else 32, D, "packed"), block_size=64, initial_blocks=2,
+                         device=b.device)
+        store = PagedCompressedCache.empty(pool, 1, 4, 512 if not b.dry else 32, device=b.device)
+        keys = formats.fp4_qdq_ue8m0(torch.randn(n, D, device=b.device))
+        store.write(torch.zeros(n, dtype=torch.long, device=b.device), torch.arange(n, device=b.device),
+                    torch.zeros(n, pool.layout.head_dim, device=b.device), keys)
+        q = formats.fp4_qdq_ue8m0(torch.randn(1, 1, H, D, device=b.device))
+        w = torch.randn(1, 1, H, device=b.device)
+        table = store.device_table
+        args = (q.view(1, H, D), w.view(1, H), torch.zeros(1, dtype=torch.long, device=b.device), table,
+                pool.planes["index_k"], pool.planes["index_scale"], n, True)
+        kernel_s = _median_s(b, lambda: paged_index_scores(*args), runs)
+        read_s = _median_s(b, lambda: index_scores(q, store.read_index(n), w), runs)
+        error = (paged_index_scores(*args) - index_scores(q, store.read_index(n), w).view(1, n)).abs().max()
+        out[f"index scores {n} entries"] = {
+            "kernel_us": round(kernel_s * 1e6, 1), "read_out_us": round(read_s * 1e6, 1),
+            "kernel_GBps": round(n * (D // 2 + D // 32) / kernel_s / 1e9, 1),
+            "max_abs_diff": float(f"{float(error):.2g}")}
     return out
 
 

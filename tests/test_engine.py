@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.checkpoint import open_model
 from openflash.config import load_config
 from openflash.engine.block_pool import BlockPool, EntryLayout, encode_kv_exact
@@ -110,6 +110,29 @@ def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(tiny, st
 
     monkeypatch.setattr(type(next(iter(cache.compressed.values()))), "read", whole)
     assert torch.equal(rt.decode(torch.tensor([5, 6]), cache), want)
+    rt.model.set_numerics(NUMERICS["plain"])
+
+
+
+@pytest.mark.skipif(not kernels.triton_products.available(), reason="Triton is not installed")
+@pytest.mark.parametrize("storage", ["fp32", "packed"])
+def test_the_indexer_scores_the_pool_s_keys_where_a_kernel_reads_them(tiny, storage, monkeypatch):
+    """Where `kernels.index_kernel` names one (CUDA; forced here, Triton's interpreter on the CPU), a decode step
+    scores the index keys in the pool (kernels/triton_index.py) instead of reading them out: the same logits as
+    the keys read and scored, and no read of them."""
+    rt = tiny
+    rt.model.set_numerics(NUMERICS["fp32"])
+    factory = CacheFactory.create(rt.cfg, storage, block_size=4)
+    cache = factory.empty(2)
+    rt.step(torch.tensor(prompts(2, 45, 46, seed=10)), cache)
+    want = rt.decode(torch.tensor([5, 6]), cache.select([0, 1]))
+    monkeypatch.setattr(kernels, "index_kernel", lambda device: "triton")
+
+    def read_out(self, n):
+        raise AssertionError("the index keys were read out")
+
+    monkeypatch.setattr(type(next(iter(cache.compressed.values()))), "read_index", read_out)
+    torch.testing.assert_close(rt.decode(torch.tensor([5, 6]), cache), want, rtol=1e-5, atol=1e-5)
     rt.model.set_numerics(NUMERICS["plain"])
 
 

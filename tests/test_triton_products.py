@@ -171,3 +171,34 @@ def test_the_experts_call_names_bad_arguments() -> None:
     empty = triton_experts.fp4_experts(torch.randn(2, 64), *parts, torch.zeros(0, dtype=torch.long),
                                        torch.zeros(0, dtype=torch.long), torch.zeros(0), 7.0, True)
     assert empty.shape == (2, 64) and bool((empty == 0).all())
+
+
+# ---- the indexer's scores from the engine's block pool (kernels/triton_index.py) --------------------------------
+
+@pytest.mark.parametrize("storage", ["packed", "fp32"])
+def test_index_scores_from_the_pool_match_the_scores_of_the_keys_read_out(storage: str) -> None:
+    """Two rows of different lengths (the shorter one's blocks past its end are the zero block), three queries a
+    row, blocks of 8 entries, 37 entries (a partial block and a partial 64-entry tile): the same scores as the
+    keys read out and scored by the fp32 numerics' ops."""
+    from openflash.engine.block_pool import BlockPool, EntryLayout
+    from openflash.engine.cache import PagedCompressedCache
+    from openflash.kernels.triton_index import paged_index_scores
+    from openflash.model.indexer import index_scores
+
+    gen = torch.Generator().manual_seed(13)
+    D, H, n = 64, 4, 37
+    pool = BlockPool(EntryLayout(128, D, storage), block_size=8)
+    store = PagedCompressedCache.empty(pool, 2, 4, 128)
+    for row, length in enumerate((21, n)):
+        store.write(torch.full((length,), row), torch.arange(length),
+                    formats.fp4_qdq_e4m3(torch.randn(length, 128, generator=gen)),
+                    formats.fp4_qdq_ue8m0(torch.randn(length, D, generator=gen) * 3))
+    q = formats.fp4_qdq_ue8m0(torch.randn(2, 3, H, D, generator=gen))
+    w = torch.randn(2, 3, H, generator=gen)
+    keys = pool.planes["index_k"]
+    got = paged_index_scores(q.reshape(6, H, D), w.reshape(6, H), torch.arange(2).repeat_interleave(3),
+                             store.device_table, keys, pool.planes.get("index_scale", keys), n, storage == "packed")
+    torch.testing.assert_close(got.view(2, 3, n), index_scores(q, store.read_index(n), w), rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="does not reach 100 entries"):
+        paged_index_scores(q.reshape(6, H, D), w.reshape(6, H), torch.arange(2).repeat_interleave(3),
+                           store.device_table, keys, pool.planes.get("index_scale", keys), 100, storage == "packed")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openflash import formats
+from openflash import formats, kernels
 from openflash.config import FlashConfig
 from openflash.engine.block_pool import BlockPool, EntryLayout
 from openflash.model.cache import ModelCache, draft_rings
@@ -141,6 +141,20 @@ class PagedCompressedCache:
         rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
         blocks = self.device_table[rows, torch.div(picks, bs, rounding_mode="floor")]
         return self.pool.entries(blocks, picks % bs, "kv")
+
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The indexer's scores [B, S, n] of entries [0, n) from the pool's index-key planes, by the kernel
+        `kernels.index_kernel` names here (the keys never decoded into a copy); None where there is none."""
+        if kernels.index_kernel(q.device) is None:
+            return None
+        B, S, H, D = q.shape
+        planes = self.pool.planes
+        keys = planes["index_k"]
+        rows = torch.arange(B, device=q.device).repeat_interleave(S)
+        scores = kernels.triton_index.paged_index_scores(q.reshape(B * S, H, D), w.reshape(B * S, H), rows,
+                                                         self._blocks(n), keys, planes.get("index_scale", keys), n,
+                                                         self.pool.layout.storage == "packed")
+        return scores.view(B, S, n)
 
     def _blocks(self, n: int) -> torch.Tensor:
         """The table's first ceil(n / block_size) blocks of every row, padded with the zero block."""

@@ -29,7 +29,7 @@ from openflash.kernels.triton_products import tl, triton
 PARTS = ("w1", "s1", "w3", "s3", "w2", "s2")  # the rows of an address table
 
 
-def _e2m1_times(codes, scale_bytes):
+def e2m1_and_scale(codes, scale_bytes):
     """E2M1 codes [N, 32] (int32) as fp32 values, and the UE8M0 scale bytes [N] as fp32 (exact: built from bits)."""
     e = (codes >> 1) & 3
     mant = (codes & 1).to(tl.float32)
@@ -47,7 +47,7 @@ def _block_product(X, XS, row, b, W, WS, n64, n_ok, width, HAS_XS: tl.constexpr)
     x = tl.load(X + row * width + k)
     byte = tl.load(W + n64[:, None] * (width // 2) + (k // 2)[None, :], mask=n_ok[:, None], other=0)
     codes = (byte.to(tl.int32) >> ((k % 2) * 4)[None, :]) & 0xF
-    w, ws = _e2m1_times(codes, tl.load(WS + n64 * (width // 32) + b, mask=n_ok, other=127))
+    w, ws = e2m1_and_scale(codes, tl.load(WS + n64 * (width // 32) + b, mask=n_ok, other=127))
     part = tl.sum(x[None, :] * w, axis=1)
     if HAS_XS:
         part = part * tl.load(XS + row * (width // 32) + b)
@@ -97,7 +97,7 @@ def _down_kernel(H, HS, TABLES, ORDER, STARTS, EXPERT, Y, K, I, E, HAS_XS: tl.co
 
 
 if triton is not None:
-    _e2m1_times = triton.jit(_e2m1_times)
+    e2m1_and_scale = triton.jit(e2m1_and_scale)
     _block_product = triton.jit(_block_product)
     _GATE_UP, _DOWN = triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
 

@@ -95,6 +95,11 @@ class CompressedStore(Protocol):
         """The kv of entries picks [B, ...] (ids >= 0, each below what row b can read) of each row b:
         [B, ..., D]."""
 
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The indexer's scores [B, S, n] (fp32 numerics: sum over heads of w * ReLU(q . key)) of entries [0, n)
+        for queries q [B, S, H, Dk] and head weights w [B, S, H], by a kernel that reads the stored keys; None
+        where the store has none (the caller reads the keys and scores them)."""
+
     capacity: int  # entries each row can read (`read(capacity)`) without growing
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:

@@ -83,6 +83,13 @@ class CompressedView:
             self._index_k = self.store.read_index(self.size)
         return self._index_k
 
+    def stored_scores(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """The indexer's fp32 scores [B, S, size] by the store's own kernel, or None (no store, the keys already
+        read, or no kernel there)."""
+        if self.store is None or self._index_k is not None:
+            return None
+        return self.store.index_scores(q, w, self.size)
+
     def picked(self, picks: torch.Tensor) -> torch.Tensor:
         """The kv of the entries picks [B, S, k] names ([B, S, k, head_dim]; a -1 pick reads some entry: masked by
         the caller)."""

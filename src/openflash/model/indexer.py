@@ -85,12 +85,21 @@ class IndexKernels:
         """q [B, S, H, D], index keys [B, T, D], head weights [B, S, H] -> scores [B, S, T]."""
         return index_scores(q, index_k, w)
 
+    def view_scores(self, q: torch.Tensor, view: CompressedView, w: torch.Tensor) -> torch.Tensor:
+        """`scores` against a view's keys: by its store's kernel where there is one (the engine's pool on CUDA:
+        the keys scored where they are stored), else on the keys read out."""
+        stored = view.stored_scores(q, w)
+        return stored if stored is not None else self.scores(q, view.index_k, w)
+
     def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
         return top_entries(scores, k, n_visible)
 
 
 class ReferenceIndexKernels(IndexKernels):
     """The reference computes the score as bf16 tensor ops: logits, ReLU, weighting, head sum."""
+
+    def view_scores(self, q: torch.Tensor, view: CompressedView, w: torch.Tensor) -> torch.Tensor:
+        return self.scores(q, view.index_k, w)  # (its bf16 rounding points: never a kernel's fp32 sums)
 
     def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf = torch.bfloat16
@@ -165,7 +174,7 @@ class Indexer(nn.Module, NumericsMixin):
         cos, sin = self.rotary.angles(ctx.positions)
         q = n.index_fp4(n.round(self.rotary.apply(q, cos.unsqueeze(2), sin.unsqueeze(2))))
         w = n.round(self.weights_proj(x) * self.weight_scale)
-        score = index_kernels(n).scores(q, view.index_k, w)
+        score = index_kernels(n).view_scores(q, view, w)
         T = view.size
         n_visible = torch.minimum(visible_entries(ctx.positions, self.topo.compress_ratio), view.length.unsqueeze(1))
         visible = torch.arange(T, device=x.device) < n_visible.unsqueeze(-1)

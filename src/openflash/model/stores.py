@@ -209,6 +209,9 @@ class CompressedCache:
         rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
         return self.kv[rows, picks]
 
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> None:
+        return None  # the keys are fp32 tensors already: the numerics' own ops score them
+
     @property
     def capacity(self) -> int:
         return int(self.kv.shape[1])
