@@ -9,7 +9,7 @@ skipped and says so):
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
 - kernels: products on stored FP8 / MXFP4 weights at released shapes (kernels/triton_products.py) beside
   dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s; a MoE layer's routed
-  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 16 tokens; the indexer's scores
+  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 256 tokens; the indexer's scores
   from the packed pool (kernels/triton_index.py) beside the keys read out, 32K and 256K entries;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
@@ -207,7 +207,8 @@ def _index_scores(b: Bench) -> dict[str, Any]:
 
 def _experts(b: Bench) -> dict[str, Any]:
     """A MoE layer's routed experts at the released shapes (K 5120, I 2304, 6 of 32 experts a token): the one-call
-    Triton kernel (kernels/triton_experts.py) beside one stored_product call per expert and projection."""
+    Triton kernels (kernels/triton_experts.py: per pair up to 16 pairs, tiled past them) beside one stored_product
+    call per expert and projection."""
     from openflash import formats
     from openflash.kernels.triton_experts import fp4_experts
     from openflash.kernels.triton_products import stored_product
@@ -222,7 +223,7 @@ def _experts(b: Bench) -> dict[str, Any]:
     made = [[fp4(n, width) for _ in range(E)] for n, width in ((I, K), (I, K), (K, I))]
     parts = [[m[j] for m in made[i]] for i in range(3) for j in range(2)]  # w1, s1, w3, s3, w2, s2
     out: dict[str, Any] = {}
-    for tokens in ((1, 4, 16) if not b.dry else (1, 3)):
+    for tokens in ((1, 4, 16, 256) if not b.dry else (1, 3, 20)):
         x = torch.randn(tokens, K, device=b.device)
         expert = torch.stack([torch.randperm(E, generator=gen, device=b.device)[:k] for _ in range(tokens)]).flatten()
         token = torch.arange(tokens, device=b.device).repeat_interleave(k)

@@ -84,12 +84,20 @@ def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
 
 
 @pytest.mark.skipif(not triton_products.available(), reason="Triton is not installed")
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_the_layer_s_triton_experts_call_computes_the_grouped_sum(tokens, monkeypatch):
     """On CUDA the MoE's experts call goes to kernels/triton_experts.py (Triton's interpreter here, on the CPU):
     through the layer's kept table of its experts' addresses, by global expert id, in the eager step and in the
-    decode graph's static call; the table is rebuilt when the experts move."""
+    decode graph's static call, one program per pair or (40 tokens: past PER_PAIR_CALLS pairs) tiles of one
+    expert's pairs; the table is rebuilt when the experts move."""
     monkeypatch.setattr(kernels, "experts_kernel", lambda device, stored: "triton" if stored == "fp4" else None)
+    tiled, tiled_call = [], kernels.triton_experts.tiled_call
+
+    def counted(*args):
+        tiled.append(args[2].numel())
+        return tiled_call(*args)
+
+    monkeypatch.setattr(kernels.triton_experts, "tiled_call", counted)
     moe = _moe("quantized")
     for module in moe.modules():
         if hasattr(module, "numerics"):
@@ -106,6 +114,7 @@ def test_the_layer_s_triton_experts_call_computes_the_grouped_sum(tokens, monkey
         for y in (routed.native(x, weights, ids, in_model, lambda y: y, shared),
                   routed.native(x, weights, ids, every_expert, lambda y: y, shared, static=True)):
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        assert bool(tiled) == (ids.numel() > kernels.triton_experts.PER_PAIR_CALLS)
         table = moe.expert_tables()
         assert moe.expert_tables() is table
         moe._apply(lambda t: t.clone())  # what .to(device) does: every parameter and buffer replaced
@@ -126,3 +135,4 @@ def test_choose_takes_the_calls_facts():
     assert routed.choose(FP32, **{**stored, "offloaded": True}) == "native"  # from an ExpertSource too
     assert routed.choose(FP32, **{**stored, "offloaded": True, "pairs": routed.NATIVE_PAIRS + 1}) == "offloaded"
     assert routed.choose(FP32, **{**stored, "static": True, "pairs": 96}) == "native"  # the decode graph: any pairs
+    assert routed.choose(FP32, **{**stored, "pairs": 96, "any_pairs": True}) == "native"  # CUDA tiles a prefill

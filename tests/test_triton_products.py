@@ -202,3 +202,23 @@ def test_index_scores_from_the_pool_match_the_scores_of_the_keys_read_out(storag
     with pytest.raises(ValueError, match="does not reach 100 entries"):
         paged_index_scores(q.reshape(6, H, D), w.reshape(6, H), torch.arange(2).repeat_interleave(3),
                            store.device_table, keys, pool.planes.get("index_scale", keys), 100, storage == "packed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefill_sized_experts_call_is_tiled_and_matches(device: str) -> None:
+    """Past PER_PAIR_CALLS pairs the call goes to tiles of one expert's pairs (TILE_ROWS a tile, an expert with
+    more than one tile here, one with none): the formula's result, each token's pairs summed by ascending expert."""
+    from openflash.kernels import triton_experts
+
+    gen = torch.Generator().manual_seed(14)
+    K, I, E, T, limit = 64, 32, 4, 40, 7.0
+    parts, values = _experts(E, K, I, gen)
+    x = torch.randn(T, K, generator=gen) * 4
+    token = torch.arange(T).repeat_interleave(2)
+    expert = torch.stack([torch.tensor([0, 1 + int(torch.randint(2, (1,), generator=gen))]) for _ in range(T)])
+    expert = expert.flatten()  # expert 0 in every token (two tiles), expert 3 in none
+    weight = torch.rand(2 * T, generator=gen)
+    assert token.numel() > triton_experts.PER_PAIR_CALLS and int((expert == 0).sum()) > triton_experts.TILE_ROWS
+    got = triton_experts.fp4_experts(x.to(device), *[[t.to(device) for t in p] for p in parts], token.to(device),
+                                     expert.to(device), weight.to(device), limit, True)
+    check(got, _experts_oracle(x, values, token, expert, weight, limit, True))

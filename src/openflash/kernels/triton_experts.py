@@ -24,20 +24,13 @@ import torch
 
 from openflash import formats
 from openflash.kernels.native import BLOCK, dispatch
-from openflash.kernels.triton_products import tl, triton
+from openflash.kernels.triton_products import block_dot, e2m1_values, fp4_codes, tl, triton, ue8m0_values
 
 PARTS = ("w1", "s1", "w3", "s3", "w2", "s2")  # the rows of an address table
-
-
-def e2m1_and_scale(codes, scale_bytes):
-    """E2M1 codes [N, 32] (int32) as fp32 values, and the UE8M0 scale bytes [N] as fp32 (exact: built from bits)."""
-    e = (codes >> 1) & 3
-    mant = (codes & 1).to(tl.float32)
-    mag = tl.where(e == 0, mant * 0.5, (1.0 + mant * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    w = tl.where((codes & 8) != 0, -mag, mag)
-    bits = scale_bytes.to(tl.int32)
-    bits = tl.where(bits == 0, 0x00400000, tl.where(bits == 255, 0x7FC00000, bits << 23))
-    return w, bits.to(tl.float32, bitcast=True)
+# Past this many routed pairs a call goes to the tiled kernels (one program per pair reads its expert's rows once
+# per pair: right for a decode step's few tokens, not for a prefill chunk, where an expert has many).
+PER_PAIR_CALLS = 16
+TILE_ROWS = 32  # pairs of one expert a tile multiplies at once
 
 
 def _block_product(X, XS, row, b, W, WS, n64, n_ok, width, HAS_XS: tl.constexpr):
@@ -45,9 +38,8 @@ def _block_product(X, XS, row, b, W, WS, n64, n_ok, width, HAS_XS: tl.constexpr)
     j = tl.arange(0, 32)
     k = b * 32 + j
     x = tl.load(X + row * width + k)
-    byte = tl.load(W + n64[:, None] * (width // 2) + (k // 2)[None, :], mask=n_ok[:, None], other=0)
-    codes = (byte.to(tl.int32) >> ((k % 2) * 4)[None, :]) & 0xF
-    w, ws = e2m1_and_scale(codes, tl.load(WS + n64 * (width // 32) + b, mask=n_ok, other=127))
+    w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, width))
+    ws = ue8m0_values(tl.load(WS + n64 * (width // 32) + b, mask=n_ok, other=127))
     part = tl.sum(x[None, :] * w, axis=1)
     if HAS_XS:
         part = part * tl.load(XS + row * (width // 32) + b)
@@ -96,10 +88,49 @@ def _down_kernel(H, HS, TABLES, ORDER, STARTS, EXPERT, Y, K, I, E, HAS_XS: tl.co
     tl.store(Y + t.to(tl.int64) * K + n64, acc, mask=n_ok)
 
 
+def _tile_kernel(X, XS, ROWS, TABLES, PART, TILE_EXPERT, TILE_START, TILE_END, Y, K, N, E, HAS_XS: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Y[m] = x[ROWS[m]] W_e^T for the pairs m of one tile (pairs sorted by expert; a tile holds one expert's): the
+    products as triton_products.py forms them, tensor cores on BLOCK_M x BLOCK_N tiles (prefill-sized calls)."""
+    tile = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + tile)
+    m = tl.load(TILE_START + tile) + tl.arange(0, BLOCK_M)
+    m_ok = m < tl.load(TILE_END + tile)
+    row = tl.load(ROWS + m, mask=m_ok, other=0)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    W = tl.load(TABLES + (2 * PART) * E + e).to(tl.pointer_type(tl.uint8))
+    WS = tl.load(TABLES + (2 * PART + 1) * E + e).to(tl.pointer_type(tl.uint8))
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for b in range(0, K // 32):
+        k = b * 32 + j
+        x = tl.load(X + row[:, None] * K + k[None, :], mask=m_ok[:, None], other=0.0)
+        w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, K))
+        ws = ue8m0_values(tl.load(WS + n64 * (K // 32) + b, mask=n_ok, other=127))
+        part = block_dot(x, w, IEEE)
+        if HAS_XS:
+            part = part * tl.load(XS + row * (K // 32) + b, mask=m_ok, other=1.0)[:, None]
+        acc += part * ws[None, :]
+    tl.store(Y + m.to(tl.int64)[:, None] * N + n64[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _sum_kernel(O, ORDER, STARTS, Y, K, BLOCK_N: tl.constexpr):
+    """Y[t] = the sum of the rows O[ORDER[q]] for q in [STARTS[t], STARTS[t + 1]), in that order."""
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < K
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for q in range(tl.load(STARTS + t), tl.load(STARTS + t + 1)):
+        acc += tl.load(O + tl.load(ORDER + q) * K + n, mask=n_ok, other=0.0)
+    tl.store(Y + t.to(tl.int64) * K + n, acc, mask=n_ok)
+
+
 if triton is not None:
-    e2m1_and_scale = triton.jit(e2m1_and_scale)
     _block_product = triton.jit(_block_product)
     _GATE_UP, _DOWN = triton.jit(_gate_up_kernel), triton.jit(_down_kernel)
+    _TILE, _SUM = triton.jit(_tile_kernel), triton.jit(_sum_kernel)
 
 
 @dataclass(frozen=True)
@@ -165,6 +196,48 @@ def experts_call(x: torch.Tensor, addresses: torch.Tensor, token: torch.Tensor, 
     return y
 
 
+def tiled_call(x: torch.Tensor, addresses: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+               weight: torch.Tensor, inner: int, limit: float, act_qdq: bool) -> torch.Tensor:
+    """`experts_call`'s result for prefill-sized calls: the pairs sorted by expert into tiles of TILE_ROWS, each
+    tile's products on tensor cores (w1, w3, then w2 on the SwiGLU between), each token's pairs summed in the sorted
+    order (ascending expert, as the MoE's `grouped` path sums them). Reads the routing's counts on the host."""
+    T, K = x.shape
+    P, E = token.numel(), addresses.shape[1]
+    y = torch.zeros(T, K, dtype=torch.float32, device=x.device)
+    if P == 0 or T == 0:
+        return y
+    x, xs = formats.act_quant(x.float()) if act_qdq else (x.float(), x.float())
+    order = torch.argsort(expert, stable=True)
+    token, weight = token[order].contiguous(), weight.float()[order]
+    starts, experts_of, ends, at = [], [], [], 0
+    for e, count in enumerate(torch.bincount(expert, minlength=E).tolist()):
+        for first in range(at, at + count, TILE_ROWS):
+            starts.append(first)
+            ends.append(min(first + TILE_ROWS, at + count))
+            experts_of.append(e)
+        at += count
+    tiles = [torch.tensor(v, dtype=torch.long, device=x.device) for v in (experts_of, starts, ends)]
+    block = 64
+
+    def products(a: torch.Tensor, a_scales: torch.Tensor, rows: torch.Tensor, part: int, width: int,
+                 out: int) -> torch.Tensor:
+        result = torch.empty(P, out, dtype=torch.float32, device=x.device)
+        _TILE[(-(-out // block), len(starts))](a.contiguous(), a_scales.contiguous(), rows, addresses, part, *tiles,
+                                               result, width, out, E, HAS_XS=act_qdq, IEEE=not act_qdq,
+                                               BLOCK_M=TILE_ROWS, BLOCK_N=block)
+        return result
+
+    gate = products(x, xs, token, 0, K, inner).clamp(max=limit)
+    up = products(x, xs, token, 1, K, inner).clamp(-limit, limit)
+    h = weight.unsqueeze(1) * torch.nn.functional.silu(gate) * up
+    h, hs = formats.act_quant(h) if act_qdq else (h, h)
+    out = products(h, hs, torch.arange(P, device=x.device), 2, inner, K)
+    by_token = torch.argsort(token, stable=True)  # each token's pairs, still by ascending expert
+    bounds = torch.searchsorted(token[by_token], torch.arange(T + 1, device=x.device))
+    _SUM[(-(-K // block), T)](out, by_token, bounds, y, K, BLOCK_N=block)
+    return y
+
+
 def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor], w3: list[torch.Tensor],
                 s3: list[torch.Tensor], w2: list[torch.Tensor], s2: list[torch.Tensor], token: torch.Tensor,
                 expert: torch.Tensor, weight: torch.Tensor, limit: float, act_qdq: bool) -> torch.Tensor:
@@ -185,12 +258,15 @@ def fp4_experts(x: torch.Tensor, w1: list[torch.Tensor], s1: list[torch.Tensor],
     if problems:
         raise ValueError("triton fp4_experts: " + "; ".join(problems))
     tables = ExpertTables.of(w1, s1, w3, s3, w2, s2, x.shape[1])
-    return experts_call(x, tables.addresses, token, expert, weight, tables.inner, limit, act_qdq)
+    return experts(x, tables, token, expert, weight, limit, act_qdq)
 
 
 def experts(x: torch.Tensor, tables: ExpertTables, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
             limit: float, act_qdq: bool) -> torch.Tensor:
-    """`experts_call` on a kept table, as openflash::triton_fp4_experts inside a traced graph."""
+    """`experts_call` on a kept table, as openflash::triton_fp4_experts inside a traced graph (a decode step); past
+    PER_PAIR_CALLS pairs in eager code (a prefill chunk), `tiled_call`."""
+    if token.numel() > PER_PAIR_CALLS and not torch.compiler.is_compiling():
+        return tiled_call(x, tables.addresses, token, expert, weight, tables.inner, limit, act_qdq)
     return dispatch("triton_fp4_experts", experts_call, x, tables.addresses, token, expert, weight, tables.inner,
                     limit, act_qdq)
 
@@ -211,4 +287,5 @@ def _register_op() -> torch.library.Library:
 
 _OP = _register_op()
 
-__all__ = ["ExpertTables", "experts", "experts_call", "fp4_experts", "PARTS"]
+__all__ = ["ExpertTables", "experts", "experts_call", "tiled_call", "fp4_experts", "PARTS", "PER_PAIR_CALLS",
+           "TILE_ROWS"]

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from openflash.kernels.native import dispatch
-from openflash.kernels.triton_experts import e2m1_and_scale
-from openflash.kernels.triton_products import tl, triton
+from openflash.kernels.triton_products import e2m1_values, fp4_codes, tl, triton, ue8m0_values
 
 
 def _index_scores_kernel(Q, W, ROWS, TABLE, KEYS, SCALES, OUT, n, table_width, H, D: tl.constexpr,
@@ -30,11 +29,9 @@ def _index_scores_kernel(Q, W, ROWS, TABLE, KEYS, SCALES, OUT, n, table_width, H
     entry = block * BS + t % BS  # [BLOCK_T] int64: the entry's place in the pool's planes
     d = tl.arange(0, D)
     if PACKED:
-        byte = tl.load(KEYS + entry[:, None] * (D // 2) + (d // 2)[None, :], mask=t_ok[:, None], other=0)
-        codes = (byte.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 0xF
+        codes = fp4_codes(KEYS, entry, d, D)  # (masked entries read block 0, the zero block)
         scale_bytes = tl.load(SCALES + entry[:, None] * (D // 32) + (d // 32)[None, :], mask=t_ok[:, None], other=127)
-        values, scales = e2m1_and_scale(codes, scale_bytes)
-        keys = values * scales
+        keys = e2m1_values(codes) * ue8m0_values(scale_bytes)
     else:
         keys = tl.load(KEYS + entry[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
     acc = tl.zeros((BLOCK_T,), dtype=tl.float32)

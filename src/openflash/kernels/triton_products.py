@@ -38,6 +38,36 @@ def available() -> bool:
     return triton is not None
 
 
+def e2m1_values(codes):
+    """E2M1 codes (int32, any shape) as fp32: e = bits 1-2, m = bit 0; e == 0: m / 2, else (1 + m / 2) * 2^(e - 1)."""
+    e = (codes >> 1) & 3
+    mant = (codes & 1).to(tl.float32)
+    mag = tl.where(e == 0, mant * 0.5, (1.0 + mant * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((codes & 8) != 0, -mag, mag)
+
+
+def fp4_codes(W, rows, k, width):
+    """The E2M1 codes [R, 32] of columns k (one 32-block) of rows `rows` of MXFP4 bytes W [*, width / 2] (element
+    2j in byte j's low nibble). Every row is read: point the ones past the end at a real row."""
+    byte = tl.load(W + rows[:, None] * (width // 2) + (k // 2)[None, :])
+    return (byte.to(tl.int32) >> ((k % 2) * 4)[None, :]) & 0xF
+
+
+def ue8m0_values(scale_bytes):
+    """UE8M0 bytes as fp32 2^(byte - 127), built from the float's bits (exact, where exp2 is approximate on the
+    GPU); byte 0 is the subnormal 2^-127 (bits 0x00400000), 255 is NaN."""
+    bits = scale_bytes.to(tl.int32)
+    bits = tl.where(bits == 0, 0x00400000, tl.where(bits == 255, 0x7FC00000, bits << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+def block_dot(x, w, IEEE: tl.constexpr):
+    """x [M, 32] . w [N, 32]^T in fp32 ("ieee") or on TF32 tensor cores (exact for QDQ'd activations)."""
+    if IEEE:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    return tl.dot(x, tl.trans(w), input_precision="tf32")
+
+
 def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: tl.constexpr, IEEE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,13 +80,7 @@ def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: 
         k = b * 32 + j
         x = tl.load(X + m64[:, None] * K + k[None, :], mask=m_ok[:, None], other=0.0)
         if FP4:
-            byte = tl.load(W + n64[:, None] * (K // 2) + (k // 2)[None, :], mask=n_ok[:, None], other=0)
-            code = (byte.to(tl.int32) >> ((k % 2) * 4)[None, :]) & 0xF
-            # E2M1: e = bits 1-2, m = bit 0; e == 0: m / 2, else (1 + m / 2) * 2^(e - 1)
-            e = (code >> 1) & 3
-            mant = (code & 1).to(tl.float32)
-            mag = tl.where(e == 0, mant * 0.5, (1.0 + mant * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-            w = tl.where((code & 8) != 0, -mag, mag)
+            w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, K))
             ws_byte = tl.load(WS + n64 * (K // 32) + b, mask=n_ok, other=127)
         else:
             byte = tl.load(W + n64[:, None] * K + k[None, :], mask=n_ok[:, None], other=0)
@@ -66,21 +90,17 @@ def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: 
             half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
             w = tl.where((bits & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
             ws_byte = tl.load(WS + (n64 // 32) * (K // 32) + b, mask=n_ok, other=127)
-        # UE8M0: 2^(byte - 127) built from its fp32 bits (exact, where exp2 is approximate on the GPU); byte 0
-        # is the subnormal 2^-127 (bits 0x00400000); 255 is NaN.
-        ws_bits = ws_byte.to(tl.int32)
-        ws_bits = tl.where(ws_bits == 0, 0x00400000, tl.where(ws_bits == 255, 0x7FC00000, ws_bits << 23))
-        ws = ws_bits.to(tl.float32, bitcast=True)
-        if IEEE:
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w), input_precision="tf32")
+        ws = ue8m0_values(ws_byte)
+        part = block_dot(x, w, IEEE)
         if HAS_XS:
             part = part * tl.load(XS + m64 * (K // 32) + b, mask=m_ok, other=1.0)[:, None]
         acc += part * ws[None, :]
     tl.store(Y + m64[:, None] * N + n64[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+if triton is not None:
+    e2m1_values, fp4_codes = triton.jit(e2m1_values), triton.jit(fp4_codes)
+    ue8m0_values, block_dot = triton.jit(ue8m0_values), triton.jit(block_dot)
 _KERNEL = triton.jit(_stored_product_kernel) if triton is not None else None
 
 

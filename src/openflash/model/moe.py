@@ -168,11 +168,12 @@ class MoE(nn.Module, NumericsMixin):
         offloaded = self.offloaded
         first = self.experts[0].w1
         # The native call: FP4 experts as stored (an ExpertSource's always are), inference, fp32 arithmetic.
+        kernel = kernels.experts_kernel(x.device, first.stored_format)
         native = (offloaded or not first.fp32_resident) and not torch.is_grad_enabled() \
-            and not self.numerics.bf16_boundaries and kernels.experts_kernel(x.device, first.stored_format)
+            and not self.numerics.bf16_boundaries and kernel is not None
         path = routed.choose(self.numerics, static=ctx.static, offloaded=offloaded, pairs=ids.numel(),
                              fp32_experts=not offloaded and first.fp32_resident,
-                             adapted=self.adapted, native=native)
+                             adapted=self.adapted, native=native, any_pairs=kernel == "triton")
         shared = self.shared_experts(x).float()
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)

@@ -13,9 +13,10 @@ pairs meet the experts' weights, which decides speed and what shapes depend on t
     sorted     pairs sorted by expert, one contiguous slice each, one scatter-add (training: cheap autograd)
     offloaded  grouped, OFFLOAD_CHUNK experts at a time from an ExpertSource, summed over its processes
     native     every pair in one call of the experts kernel on their stored FP4 bytes (the native kernels on the
-               CPU, kernels/triton_experts.py on CUDA: kernels.experts_kernel; decode-sized steps
-               of experts kept as stored, in the model or from an ExpertSource: up to NATIVE_PAIRS pairs; in the
-               compiled decode graph, any number, by expert id into every expert's bytes)
+               CPU, kernels/triton_experts.py on CUDA: kernels.experts_kernel), for experts kept as stored, in
+               the model or from an ExpertSource: decode-sized steps of up to NATIVE_PAIRS pairs on the CPU, any
+               number on CUDA (tiled past a decode step's); in the compiled decode graph, any number, by expert id
+               into every expert's bytes
 
 `choose` picks one from the call's facts; tests/test_routed.py runs every path against `grouped` on the same
 inputs. The functions are pure: the MoE hands them its experts (callables) or their stacked weights.
@@ -42,11 +43,13 @@ StackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp32_experts: bool,
-           adapted: bool = False, native: bool = False) -> str:
+           adapted: bool = False, native: bool = False, any_pairs: bool = False) -> str:
     """The path of one MoE call. static: a whole-step graph; offloaded: the experts come from an ExpertSource;
     pairs: the routed (token, slot) pairs; fp32_experts: the experts' fp32 weights are cached (stacking "stored"
     experts would materialise them all at once); adapted: the experts carry LoRA adapters, which only the paths
-    that call each expert apply; native: the native kernels serve these experts as stored (inference)."""
+    that call each expert apply; native: an experts kernel serves these experts as stored (inference); any_pairs:
+    it takes any number of pairs (CUDA's tiles a prefill chunk), not only up to NATIVE_PAIRS."""
+    native_here = native and (any_pairs or pairs <= NATIVE_PAIRS)
     if adapted:
         if static or offloaded:
             raise ValueError("LoRA adapters on routed experts need the experts in the model (not offloaded) and "
@@ -55,12 +58,12 @@ def choose(numerics: Numerics, *, static: bool, offloaded: bool, pairs: int, fp3
     if static:  # no shape may depend on the routing
         return "native" if native else "gathered"
     if offloaded:
-        return "native" if native and pairs <= NATIVE_PAIRS else "offloaded"
+        return "native" if native_here else "offloaded"
     if numerics.fused_train_ops:
         return "sorted"
     if numerics.batched_experts and pairs <= BATCHED_PAIRS and fp32_experts:
         return "batched"
-    if native and pairs <= NATIVE_PAIRS:
+    if native_here:
         return "native"
     return "grouped"
 
