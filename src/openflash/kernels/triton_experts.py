@@ -265,7 +265,7 @@ def experts(x: torch.Tensor, tables: ExpertTables, token: torch.Tensor, expert: 
             limit: float, act_qdq: bool) -> torch.Tensor:
     """`experts_call` on a kept table, as openflash::triton_fp4_experts inside a traced graph (a decode step); past
     PER_PAIR_CALLS pairs in eager code (a prefill chunk), `tiled_call`."""
-    if token.numel() > PER_PAIR_CALLS and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and token.numel() > PER_PAIR_CALLS:  # (no guard on a traced size)
         return tiled_call(x, tables.addresses, token, expert, weight, tables.inner, limit, act_qdq)
     return dispatch("triton_fp4_experts", experts_call, x, tables.addresses, token, expert, weight, tables.inner,
                     limit, act_qdq)
