@@ -1,11 +1,13 @@
 """What a decode step reads from the compressed cache: every entry's KV (as before) against the index keys and only
 the picked entries' KV (CompressedView reads lazily), side by side in one run.
 
-    python benchmarks/long_context_reads.py [--contexts 2048 8192 32768] [--threads 2] [--rounds 5]
+    python benchmarks/long_context_reads.py [--contexts 2048 8192 32768 1048576] [--threads 2] [--rounds 5]
 
-Two measurements, the variants alternating round by round:
+Three measurements, the variants alternating round by round:
 - store: one owner layer's paged cache in the engine's packed storage at the released widths (head_dim 512, index
   keys 128, ratio 4, index_topk 512, one row): `read` of every entry against `read_index` + `gather` of the top-k;
+- top-k: one query's picks among the same entries (k 512): two sorts (`top_entries`, the rule as stated) against
+  the selection every policy runs (`top_entries_select`, the same picks);
 - model: `small` (head_dim 64, index keys 64, index_topk 16) with the engine's packed paged cache, a decode step
   after a prompt of each length, the lazy view against one whose KV is read whole (as every step did before).
 
@@ -27,6 +29,7 @@ from openflash.checkpoint import open_model
 from openflash.engine.block_pool import BlockPool, EntryLayout
 from openflash.engine.cache import CacheFactory, PagedCompressedCache
 from openflash.model.context import CompressedView
+from openflash.model.indexer import top_entries, top_entries_select
 
 RESULTS = Path(__file__).parent / "results" / "long_context_reads.json"
 
@@ -58,6 +61,15 @@ def store_reads(context: int, rounds: int) -> dict[str, float]:
     picks = torch.sort(torch.randperm(n, generator=g)[:min(topk, n)]).values.view(1, 1, -1)
     return _alternate({"whole_ms": lambda: store.read(n),
                        "picked_ms": lambda: (store.read_index(n), store.gather(picks))}, rounds)
+
+
+def top_k(context: int, rounds: int) -> dict[str, float]:
+    """One query's top-512 among context / 4 entries: the two sorts against the selection."""
+    n = context // 4
+    scores = torch.randn(1, 1, n, generator=torch.Generator().manual_seed(1))
+    visible = torch.tensor([[n]])
+    return _alternate({"sorts_ms": lambda: top_entries(scores, min(512, n), visible),
+                       "selection_ms": lambda: top_entries_select(scores, min(512, n), visible)}, rounds)
 
 
 def model_decode(contexts: list[int], rounds: int) -> dict[str, dict[str, float]]:
@@ -99,13 +111,15 @@ def model_decode(contexts: list[int], rounds: int) -> dict[str, dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--model-contexts", type=int, default=32768, help="the longest prompt `small` prefills")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "rounds": args.rounds,
                "store_released_widths": {str(c): store_reads(c, args.rounds) for c in args.contexts},
-               "small_decode_step": model_decode(args.contexts, args.rounds)}
+               "top_k_released": {str(c): top_k(c, args.rounds) for c in args.contexts},
+               "small_decode_step": model_decode([c for c in args.contexts if c <= args.model_contexts], args.rounds)}
     print(json.dumps(results, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
