@@ -22,9 +22,10 @@ use the runtime (runtime.py), which prepares those and picks the compiled decode
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,18 @@ from openflash.model.routed import OFFLOAD_CHUNK
 from openflash.model.vision import Aligner, ImageRows, VisionTower, span_rows
 
 log = logging.getLogger("openflash.model")
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def _gemm_kernels(method: Method) -> Method:
+    """Run an inference entry point under its numerics' GEMM kernels (Numerics.gemm_kernels: `reference` on the CPU
+    keeps PyTorch's own bf16 GEMMs)."""
+    @functools.wraps(method)
+    def run(self: "Transformer", *args, **kwargs):
+        with self.numerics.gemm_kernels(self.device):
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
 PREFETCH_TOKENS = 16  # steps of at most this many tokens hint this and the next layer's experts to an ExpertSource
@@ -153,6 +166,7 @@ class Transformer(nn.Module):
                                 draft=bool(self.mtp))
 
     # ---- pieces ---------------------------------------------------------------------------------------------
+    @_gemm_kernels
     def encode_image(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int, types: torch.Tensor,
                      probe: Probe | None = None) -> torch.Tensor:
         """The embedding rows [len(types), dim] of one image span (fp32): ViT over the patches [n_vit_h * n_vit_w,
@@ -160,9 +174,8 @@ class Transformer(nn.Module):
         if self.vision is None:
             raise ValueError("this model has no vision tower (vision_config.num_hidden_layers = 0): it takes no "
                              "images")
-        with self.numerics.gemm_kernels(self.device):
-            vit = self.vision(patches.to(self.device), n_vit_h, n_vit_w)
-            cells = self.aligner(vit, n_vit_h, n_vit_w)
+        vit = self.vision(patches.to(self.device), n_vit_h, n_vit_w)
+        cells = self.aligner(vit, n_vit_h, n_vit_w)
         if probe is not None:
             probe.record("vit_out", vit)
             probe.record("aligner_out", cells)
@@ -275,9 +288,8 @@ class Transformer(nn.Module):
         (positions advance by lengths[b]) and the logits are those of its last real token (with all_logits, the
         padded positions' rows mean nothing).
         """
-        with self.numerics.gemm_kernels(self.device):
-            return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
-                              lengths=lengths)[0]
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, False, experts,
+                          lengths=lengths)[0]
 
     @torch.no_grad()
     def step_hidden(self, input_ids: torch.Tensor, cache: ModelCache, *, mode: str = "exact",
@@ -286,10 +298,10 @@ class Transformer(nn.Module):
                     lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
         """`step`, plus what the drafter reads: main_hidden of the positions the target layers ran on (None for a
         non-final bounded prefill chunk, whose decoder half has not run yet)."""
-        with self.numerics.gemm_kernels(self.device):
-            return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts,
-                              lengths=lengths)
+        return self._step(input_ids, cache, mode, last_chunk, engram, images, probe, all_logits, True, experts,
+                          lengths=lengths)
 
+    @_gemm_kernels
     def _step(self, input_ids: torch.Tensor, cache: ModelCache, mode: str, last_chunk: bool,
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
               hidden: bool, experts: ExpertSource | None = None, static: bool = False,
@@ -403,6 +415,7 @@ class Transformer(nn.Module):
         return dspark.draft_block(self.head, self.mtp, anchor, residual, pre, ctx, choose)
 
     @torch.no_grad()
+    @_gemm_kernels
     def replay(self, input_ids: torch.Tensor, cache: ModelCache, start: int, *, bounded: bool,
                engram: EngramRows | None = None, images: ImageRows | None = None,
                experts: ExpertSource | None = None) -> None:
