@@ -178,7 +178,9 @@ class MoE(nn.Module, NumericsMixin):
         if path == "gathered":  # no host read of the routing: counts are not computed
             y = routed.gathered(x, weights, ids, self.stacked_experts(), self._stacked_swiglu(False), shared)
             return self.numerics.round(y).view(shape)
-        if path == "native" and ctx.static:  # likewise
+        # Every expert passed by id, no host read of the routing either: in the decode graph, and on CUDA always
+        # (the Triton call sorts the pairs itself where it tiles them; a step's eager run sums as its graph does).
+        if path == "native" and (ctx.static or (kernel == "triton" and not offloaded)):
             y = routed.native(x, weights, ids, partial(self._native_experts, None), lambda routed_sum: routed_sum,
                               shared, static=True)
             return self.numerics.round(y).view(shape)
@@ -237,9 +239,6 @@ class MoE(nn.Module, NumericsMixin):
         active None: every expert of the model, index being the expert id (a whole-step graph)."""
         if active is None:
             return self._native_call(x, list(self.experts), token, index, weight)
-        if not self.offloaded and kernels.experts_kernel(x.device, "fp4") == "triton":  # the layer's kept table
-            ids = torch.tensor(active, dtype=torch.long, device=x.device)[index]
-            return self._native_call(x, list(self.experts), token, ids, weight)
         experts = fetch(active)
         held = [i for i, e in enumerate(active) if e in experts]
         if len(held) < len(active):
