@@ -336,7 +336,10 @@ def test_a_decode_step_on_the_engines_paged_cache_copies_nothing_from_the_host()
     with torch.no_grad():
         reserve()
         model.static_decode(ids, cache, rows)
-        reserve()
+        unchanged = _HostCopies()
+        with unchanged:  # the same blocks as before: the device copy of the table is not sent again
+            reserve()
+        assert unchanged.seen == []
         watch = _HostCopies()
         with watch:
             model.static_decode(ids, cache, rows)

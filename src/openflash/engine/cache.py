@@ -31,7 +31,7 @@ from openflash.config import FlashConfig
 from openflash.engine.block_pool import BlockPool, EntryLayout
 from openflash.model.cache import ModelCache, draft_rings
 from openflash.model.stores import (InputHistory, WindowCache, concat_inputs, masked_put, restart_compressed,
-                                    rollback_compressed)
+                                    rollback_compressed, row_of)
 from openflash.topology import LayerMode
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -50,6 +50,7 @@ class PagedCompressedCache:
                  partial_score: torch.Tensor, inputs: InputHistory | None = None) -> None:
         self.pool = pool
         self.device_table: torch.Tensor = table  # the table where the pool's planes are (`_mirror`)
+        self._uploaded: torch.Tensor | None = None  # what device_table holds, on the host (None: the table itself)
         self.table = table  # long [B, nb] on the host (allocation reads it there), 0 = no block
         self.length, self.partial_kv, self.partial_score = length, partial_kv, partial_score
         self.inputs = inputs  # with rollback room: the compressor inputs of the last ratio + spare tokens
@@ -66,14 +67,19 @@ class PagedCompressedCache:
     def _mirror(self) -> None:
         """The model's reads and writes index the pool with `device_table`, kept equal to the host table after
         every change to it, so that a decode step copies nothing from the host (a CUDA graph could not record
-        that copy). Same shape: copied in place, so a recorded step still finds it where it was."""
+        that copy). Same shape: copied in place, so a recorded step still finds it where it was; unchanged (most
+        decode steps' `reserve`): not copied at all, a host-to-device copy being a wait on the device."""
         table = self._table
         if table.device == self.pool.device:
-            self.device_table = table
-        elif self.device_table.shape == table.shape and self.device_table.device == self.pool.device:
+            self.device_table, self._uploaded = table, None
+            return
+        if self._uploaded is not None and self._uploaded.shape == table.shape and torch.equal(self._uploaded, table):
+            return
+        if self.device_table.shape == table.shape and self.device_table.device == self.pool.device:
             self.device_table.copy_(table)
         else:
             self.device_table = table.to(self.pool.device)
+        self._uploaded = table.clone()
 
     @classmethod
     def empty(cls, pool: BlockPool, batch_size: int, ratio: int, head_dim: int,
@@ -138,8 +144,7 @@ class PagedCompressedCache:
     def gather(self, picks: torch.Tensor) -> torch.Tensor:
         """Only the picked entries' blocks are read and decoded (a decode step's top-k, not the whole table)."""
         bs = self.pool.block_size
-        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
-        blocks = self.device_table[rows, torch.div(picks, bs, rounding_mode="floor")]
+        blocks = self.device_table[row_of(picks), torch.div(picks, bs, rounding_mode="floor")]
         return self.pool.entries(blocks, picks % bs, "kv")
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:

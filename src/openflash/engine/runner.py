@@ -340,7 +340,8 @@ class ModelRunner:
     def remove(self, request_ids: list[str]) -> None:
         """Drop rows from the decode batch now (their KV blocks go back to the pool). In a padded batch whose
         bucket still fits what is left, the rows turn idle in place."""
-        gone = [i for i, r in enumerate(self.batch_ids) if r is not None and r in set(request_ids)]
+        leaving = set(request_ids)
+        gone = [i for i, r in enumerate(self.batch_ids) if r is not None and r in leaving]
         if not gone:
             return
         keep = [i for i, r in enumerate(self.batch_ids) if r is not None and i not in gone]

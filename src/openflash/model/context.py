@@ -17,6 +17,7 @@ from torch import nn
 
 from openflash.model.cache import CompressedStore, ModelCache
 from openflash.model.numerics import Numerics
+from openflash.model.stores import row_of
 
 
 class ExpertSource(Protocol):
@@ -95,8 +96,7 @@ class CompressedView:
         the caller)."""
         if self._kv is None:
             return self.store.gather(picks.clamp(min=0))
-        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
-        return self._kv[rows, picks.clamp(min=0)]
+        return self._kv[row_of(picks), picks.clamp(min=0)]
 
 
 @dataclass

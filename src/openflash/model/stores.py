@@ -113,6 +113,11 @@ def select_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, rows)
 
 
+def row_of(picks: torch.Tensor) -> torch.Tensor:
+    """Each pick's batch row, shaped to index beside picks [B, ...]: t[row_of(picks), picks]."""
+    return torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
+
+
 def nbytes_of(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -206,8 +211,7 @@ class CompressedCache:
         return self.index_k[:, :n]
 
     def gather(self, picks: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(picks.shape[0], device=picks.device).view(-1, *([1] * (picks.dim() - 1)))
-        return self.kv[rows, picks]
+        return self.kv[row_of(picks), picks]
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> None:
         return None  # the keys are fp32 tensors already: the numerics' own ops score them
