@@ -24,7 +24,8 @@ import torch
 
 from openflash import formats
 from openflash.kernels.native import BLOCK, dispatch
-from openflash.kernels.triton_products import block_dot, e2m1_values, fp4_codes, tl, triton, ue8m0_values
+from openflash.kernels.triton_products import (block_dot, e2m1_values, fp4_codes, register_op, tl, triton,
+                                              ue8m0_values)
 
 PARTS = ("w1", "s1", "w3", "s3", "w2", "s2")  # the rows of an address table
 # Past this many routed pairs a call goes to the tiled kernels (one program per pair reads its expert's rows once
@@ -206,7 +207,8 @@ def tiled_call(x: torch.Tensor, addresses: torch.Tensor, token: torch.Tensor, ex
     y = torch.zeros(T, K, dtype=torch.float32, device=x.device)
     if P == 0 or T == 0:
         return y
-    x, xs = formats.act_quant(x.float()) if act_qdq else (x.float(), x.float())
+    x = x.float()
+    x, xs = formats.act_quant(x) if act_qdq else (x, x)  # (xs unread without the QDQ)
     order = torch.argsort(expert, stable=True)
     token, weight = token[order].contiguous(), weight.float()[order]
     starts, experts_of, ends, at = [], [], [], 0
@@ -271,21 +273,10 @@ def experts(x: torch.Tensor, tables: ExpertTables, token: torch.Tensor, expert: 
                     limit, act_qdq)
 
 
-def _register_op() -> torch.library.Library:
-    """openflash::triton_fp4_experts on CUDA tensors (and on CPU tensors, which Triton runs only in its interpreter:
-    the tests' traced graphs), with the fake that gives a traced graph its output's shape."""
-    library = torch.library.Library("openflash", "FRAGMENT")
-    library.define("triton_fp4_experts(Tensor x, Tensor addresses, Tensor token, Tensor expert, Tensor weight, "
-                   "int inner, float limit, bool act_qdq) -> Tensor")
-    for key in ("CUDA", "CPU"):
-        library.impl("triton_fp4_experts", experts_call, key)
-    torch.library.register_fake("openflash::triton_fp4_experts",
-                                lambda x, addresses, token, expert, weight, inner, limit, act_qdq:
-                                x.new_empty(x.shape, dtype=torch.float32), lib=library)
-    return library
-
-
-_OP = _register_op()
+_OP = register_op("triton_fp4_experts(Tensor x, Tensor addresses, Tensor token, Tensor expert, Tensor weight, "
+                  "int inner, float limit, bool act_qdq) -> Tensor", experts_call,
+                  lambda x, addresses, token, expert, weight, inner, limit, act_qdq:
+                  x.new_empty(x.shape, dtype=torch.float32))
 
 __all__ = ["ExpertTables", "experts", "experts_call", "tiled_call", "fp4_experts", "PARTS", "PER_PAIR_CALLS",
            "TILE_ROWS"]

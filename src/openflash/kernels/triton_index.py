@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from openflash.kernels.native import dispatch
-from openflash.kernels.triton_products import e2m1_values, fp4_codes, tl, triton, ue8m0_values
+from openflash.kernels.triton_products import e2m1_values, fp4_codes, register_op, tl, triton, ue8m0_values
 
 
 def _index_scores_kernel(Q, W, ROWS, TABLE, KEYS, SCALES, OUT, n, table_width, H, D: tl.constexpr,
@@ -85,20 +85,8 @@ def paged_index_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tab
     return dispatch("paged_index_scores", scores_call, q, w, rows, table, keys, scales, n, packed)
 
 
-def _register_op() -> torch.library.Library:
-    """openflash::paged_index_scores on CUDA tensors (and on CPU tensors, which Triton runs only in its interpreter:
-    the tests' traced graphs), with the fake that gives a traced graph its output's shape."""
-    library = torch.library.Library("openflash", "FRAGMENT")
-    library.define("paged_index_scores(Tensor q, Tensor w, Tensor rows, Tensor table, Tensor keys, Tensor scales, "
-                   "int n, bool packed) -> Tensor")
-    for key in ("CUDA", "CPU"):
-        library.impl("paged_index_scores", scores_call, key)
-    torch.library.register_fake("openflash::paged_index_scores",
-                                lambda q, w, rows, table, keys, scales, n, packed:
-                                q.new_empty(q.shape[0], n, dtype=torch.float32), lib=library)
-    return library
-
-
-_OP = _register_op()
+_OP = register_op("paged_index_scores(Tensor q, Tensor w, Tensor rows, Tensor table, Tensor keys, Tensor scales, "
+                  "int n, bool packed) -> Tensor", scores_call,
+                  lambda q, w, rows, table, keys, scales, n, packed: q.new_empty(q.shape[0], n, dtype=torch.float32))
 
 __all__ = ["paged_index_scores", "scores_call"]

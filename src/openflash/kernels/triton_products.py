@@ -21,6 +21,8 @@ the dequantize-a-tile path, which is also what the tests compare against.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from openflash import formats
@@ -145,19 +147,23 @@ def stored_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, s
     return y
 
 
-def _register_op() -> torch.library.Library:
-    """openflash::stored_product on CUDA tensors, with the fake that gives a traced graph its output's shape (a
-    compiled graph and a CUDA-graph capture take it as one node)."""
+def register_op(schema: str, kernel: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor],
+                devices: tuple[str, ...] = ("CUDA", "CPU")) -> torch.library.Library:
+    """openflash::`schema`'s op run by `kernel` on tensors of `devices` (CPU ones only in Triton's interpreter: the
+    tests' traced graphs), with the fake that gives a traced graph its output's shape (a compiled graph and a
+    CUDA-graph capture take it as one node). The returned Library keeps the registration alive."""
     library = torch.library.Library("openflash", "FRAGMENT")
-    library.define("stored_product(Tensor x, Tensor weight, Tensor scale, str storage, bool act_qdq) -> Tensor")
-    library.impl("stored_product", stored_product, "CUDA")
-    torch.library.register_fake(
-        "openflash::stored_product",
-        lambda x, weight, scale, storage, act_qdq: x.new_empty(x.shape[0], weight.shape[0]), lib=library)
+    library.define(schema)
+    name = schema.split("(")[0]
+    for device in devices:
+        library.impl(name, kernel, device)
+    torch.library.register_fake(f"openflash::{name}", fake, lib=library)
     return library
 
 
-_OP = _register_op()
+_OP = register_op("stored_product(Tensor x, Tensor weight, Tensor scale, str storage, bool act_qdq) -> Tensor",
+                  stored_product, lambda x, weight, scale, storage, act_qdq: x.new_empty(x.shape[0], weight.shape[0]),
+                  devices=("CUDA",))
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str, act_qdq: bool) -> torch.Tensor:
