@@ -61,10 +61,9 @@ def _paths(moe: MoE, x, weights, ids, counts, shared) -> dict[str, torch.Tensor]
     }
 
 
-@pytest.mark.parametrize("storage", ["float", "quantized"])
-@pytest.mark.parametrize("numerics", [FP32, PLAIN], ids=["fp32", "plain"])
-@pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
+def _routed(storage: str, numerics, tokens: int):
+    """An MoE layer under `numerics`, `tokens` inputs routed by its gate: (moe, x, weights, ids, counts, shared
+    experts' output, `grouped`'s sum: what every path must give)."""
     moe = _moe(storage)
     for module in moe.modules():
         if hasattr(module, "numerics"):
@@ -76,6 +75,15 @@ def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
         shared = moe.shared_experts(x).float()
         want = routed.grouped(x, weights, ids, {e: moe.experts[e] for e in counts.nonzero().flatten().tolist()},
                               shared)
+    return moe, x, weights, ids, counts, shared, want
+
+
+@pytest.mark.parametrize("storage", ["float", "quantized"])
+@pytest.mark.parametrize("numerics", [FP32, PLAIN], ids=["fp32", "plain"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_every_path_computes_the_grouped_sum(storage, numerics, tokens):
+    moe, x, weights, ids, counts, shared, want = _routed(storage, numerics, tokens)
+    with torch.no_grad():
         got = _paths(moe, x, weights, ids, counts, shared)
     untested = {"native"} if storage == "float" or not native.status().available else set()  # FP4 experts only
     assert {path.split()[0] for path in got} | {"grouped"} | untested == set(routed.ROUTED_PATHS)
@@ -98,17 +106,8 @@ def test_the_layer_s_triton_experts_call_computes_the_grouped_sum(tokens, monkey
         return tiled_call(*args)
 
     monkeypatch.setattr(kernels.triton_experts, "tiled_call", counted)
-    moe = _moe("quantized")
-    for module in moe.modules():
-        if hasattr(module, "numerics"):
-            module.numerics = FP32
-    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(tokens))
+    moe, x, weights, ids, counts, shared, want = _routed("quantized", FP32, tokens)
     with torch.no_grad():
-        weights, ids = moe.gate(x, None)
-        counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
-        shared = moe.shared_experts(x).float()
-        want = routed.grouped(x, weights, ids, {e: moe.experts[e] for e in counts.nonzero().flatten().tolist()},
-                              shared)
         in_model = functools.partial(moe._native_experts, lambda chosen: {e: moe.experts[e] for e in chosen})
         every_expert = functools.partial(moe._native_experts, None)
         for y in (routed.native(x, weights, ids, in_model, lambda y: y, shared),
