@@ -67,9 +67,10 @@ log = logging.getLogger("openflash.model")
 
 CAPACITY_TOKENS = 256  # the smallest compressed capacity, in tokens, a graph is built for
 # The most routed experts a layer may keep as stored for a decode step to be one graph on the CPU: the native call
-# takes every expert's six tensors as graph inputs (on CUDA the Triton call takes one table of their addresses). With golden A2's 8 the graph decodes 3.6x faster than the eager step
-# (docs/benchmarks.md, weights as stored); with 384 on the tiny preset's widths dynamo's capture alone took minutes
-# and the graph stepped slower than eager (a one-off check, not a kept benchmark).
+# takes every expert's six tensors as graph inputs (on CUDA the Triton call takes one table of their addresses).
+# With golden A2's 8 the graph decodes 3.6x faster than the eager step (docs/benchmarks.md, weights as stored); with
+# 384 on the tiny preset's widths dynamo's capture alone took minutes and the graph stepped slower than eager (a
+# one-off check, not a kept benchmark).
 STORED_EXPERTS_IN_GRAPH = 64
 # torch.compile's backend. Tests of what dynamo decides (no graph break, no recompile as caches grow) use "eager":
 # the captured graph run by PyTorch's own kernels, seconds instead of minutes of C++ code generation.
