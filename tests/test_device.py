@@ -131,7 +131,6 @@ def test_bindings_find_every_tensor_and_container_of_a_cache_and_undo_rebinds():
         bindings(_Cache(torch.zeros(1), {0: (torch.zeros(1),)}))
 
 
-
 def test_a_recording_moves_to_a_cache_of_the_same_shapes_and_both_keep_their_state():
     """`take_over`: the engine's batch regrouped at the same padded size is a new cache of the same structure; it
     takes the recorded tensors over (its values copied in), the old cache keeps copies of its own state, the block
@@ -170,7 +169,6 @@ def test_a_recording_moves_to_a_cache_of_the_same_shapes_and_both_keep_their_sta
     for cache in (old, new):
         twin = cache.select([0, 1])  # a copy of the same state through another road
         assert torch.equal(rt.decode(ids, cache), rt.decode(ids, twin))
-
 
 
 class _HostRecorder:

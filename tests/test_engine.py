@@ -41,6 +41,14 @@ def plain(tiny):
     return tiny
 
 
+@pytest.fixture
+def fp32(tiny):
+    """fp32 numerics (the cache QDQs the packed storage holds), plain again afterwards."""
+    tiny.model.set_numerics(NUMERICS["fp32"])
+    yield tiny
+    tiny.model.set_numerics(NUMERICS["plain"])
+
+
 def prompts(n: int, lo: int = 5, hi: int = 70, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
@@ -87,13 +95,11 @@ def test_paged_cache_matches_dense_and_frees_blocks(plain):
     assert factory.pool.blocks_in_use == 0
 
 
-
 @pytest.mark.parametrize("storage", ["fp32", "packed"])
-def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(tiny, storage, monkeypatch):
+def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(fp32, storage, monkeypatch):
     """A decode step reads a store's index keys and gathers the picked entries' KV, never every entry's KV (the
     lazy CompressedView); `gather` gives the rows of `read` it names, and `read_index` read's index keys."""
-    rt = tiny
-    rt.model.set_numerics(NUMERICS["fp32"])  # packed storage holds the QDQ'd formats
+    rt = fp32
     factory = CacheFactory.create(rt.cfg, storage, block_size=4)
     cache = factory.empty(2)
     rt.step(torch.tensor(prompts(2, 45, 46, seed=9)), cache)
@@ -110,18 +116,15 @@ def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(tiny, st
 
     monkeypatch.setattr(type(next(iter(cache.compressed.values()))), "read", whole)
     assert torch.equal(rt.decode(torch.tensor([5, 6]), cache), want)
-    rt.model.set_numerics(NUMERICS["plain"])
-
 
 
 @pytest.mark.skipif(not kernels.triton_products.available(), reason="Triton is not installed")
 @pytest.mark.parametrize("storage", ["fp32", "packed"])
-def test_the_indexer_scores_the_pool_s_keys_where_a_kernel_reads_them(tiny, storage, monkeypatch):
+def test_the_indexer_scores_the_pool_s_keys_where_a_kernel_reads_them(fp32, storage, monkeypatch):
     """Where `kernels.index_kernel` names one (CUDA; forced here, Triton's interpreter on the CPU), a decode step
     scores the index keys in the pool (kernels/triton_index.py) instead of reading them out: the same logits as
     the keys read and scored, and no read of them."""
-    rt = tiny
-    rt.model.set_numerics(NUMERICS["fp32"])
+    rt = fp32
     factory = CacheFactory.create(rt.cfg, storage, block_size=4)
     cache = factory.empty(2)
     rt.step(torch.tensor(prompts(2, 45, 46, seed=10)), cache)
@@ -133,7 +136,6 @@ def test_the_indexer_scores_the_pool_s_keys_where_a_kernel_reads_them(tiny, stor
 
     monkeypatch.setattr(type(next(iter(cache.compressed.values()))), "read_index", read_out)
     torch.testing.assert_close(rt.decode(torch.tensor([5, 6]), cache), want, rtol=1e-5, atol=1e-5)
-    rt.model.set_numerics(NUMERICS["plain"])
 
 
 def test_block_pool_copy_on_write_and_growth():
