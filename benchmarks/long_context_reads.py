@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,7 +35,7 @@ from openflash.model.indexer import top_entries, top_entries_select
 RESULTS = Path(__file__).parent / "results" / "long_context_reads.json"
 
 
-def _alternate(variants: dict[str, callable], rounds: int) -> dict[str, float]:
+def _alternate(variants: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Median milliseconds of each variant, the variants alternating round by round (after one warm-up each)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
@@ -87,7 +88,7 @@ def model_decode(contexts: list[int], rounds: int) -> dict[str, dict[str, float]
             logits = rt.step(ids[:, start:start + 512], cache)
         token = logits.argmax(-1)
 
-        def step() -> None:  # the same position each time: the step rolls back what it wrote
+        def step() -> None:  # on a copy of the cache: every round decodes at the same position
             snapshot = cache.select([0])
             rt.decode(token, snapshot)
             snapshot.release()
