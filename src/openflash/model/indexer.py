@@ -43,8 +43,9 @@ def top_entries(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.
 
 def top_entries_select(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
     """`top_entries` without sorting whole rows (the same picks, ties included): everything above the k-th
-    largest score, then the smallest ids among the entries equal to it. 3-6x faster than the sorts over 4K to 256K
-    entries on the CPU (a long context's decode step picks from every compressed entry at each indexer)."""
+    largest score, then the smallest ids among the entries equal to it. A long context's decode step picks from
+    every compressed entry at each indexer: 8x faster than the sorts over 262K entries on the CPU
+    (docs/benchmarks.md, benchmarks/long_context_reads.py)."""
     threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
     above = scores > threshold
     tied = scores == threshold
