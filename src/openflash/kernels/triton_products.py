@@ -63,6 +63,14 @@ def ue8m0_values(scale_bytes):
     return bits.to(tl.float32, bitcast=True)
 
 
+def e4m3_values(byte):
+    """E4M3 (e4m3fn) bytes, any shape, as fp32: the byte into fp16's bits (sign to bit 15, the rest shifted 7), times
+    2^8 for the exponent bias (15 - 7): exact for normals and subnormals alike; 0x7F / 0xFF (NaN) by hand."""
+    bits = byte.to(tl.int32)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where((bits & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
+
+
 def block_dot(x, w, IEEE: tl.constexpr):
     """x [M, 32] . w [N, 32]^T in fp32 ("ieee") or on TF32 tensor cores (exact for QDQ'd activations)."""
     if IEEE:
@@ -85,12 +93,7 @@ def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: 
             w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, K))
             ws_byte = tl.load(WS + n64 * (K // 32) + b, mask=n_ok, other=127)
         else:
-            byte = tl.load(W + n64[:, None] * K + k[None, :], mask=n_ok[:, None], other=0)
-            bits = byte.to(tl.int32)
-            # E4M3 into fp16's bits (sign to bit 15, the rest shifted 7), times 2^8 for the exponent bias
-            # (15 - 7): exact for normals and subnormals alike; 0x7F / 0xFF (e4m3fn's NaN) by hand.
-            half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-            w = tl.where((bits & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
+            w = e4m3_values(tl.load(W + n64[:, None] * K + k[None, :], mask=n_ok[:, None], other=0))
             ws_byte = tl.load(WS + (n64 // 32) * (K // 32) + b, mask=n_ok, other=127)
         ws = ue8m0_values(ws_byte)
         part = block_dot(x, w, IEEE)
@@ -103,6 +106,7 @@ def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: 
 if triton is not None:
     e2m1_values, fp4_codes = triton.jit(e2m1_values), triton.jit(fp4_codes)
     ue8m0_values, block_dot = triton.jit(ue8m0_values), triton.jit(block_dot)
+    e4m3_values = triton.jit(e4m3_values)
 _KERNEL = triton.jit(_stored_product_kernel) if triton is not None else None
 
 
