@@ -34,7 +34,8 @@ class Block(nn.Module, NumericsMixin):
         self.ffn_norm = RMSNorm(dim, cfg.rms_norm_eps)
         rows = (2 + hc) * hc
         for part in ("attn", "ffn"):
-            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.randn(rows, hc * dim) * 0.1 / (hc * dim) ** 0.5))
+            init = torch.randn(rows, hc * dim) * 0.1 / (hc * dim) ** 0.5
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(init))
             # Start close to the identity mix: a strong diagonal in comb, neutral pre/post.
             base = torch.zeros(rows)
             base[2 * hc:] = torch.eye(hc).flatten() * 4.0
