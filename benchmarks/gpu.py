@@ -7,10 +7,9 @@ benchmarks/results/gpu.json. Sections, each timed against what is left of the bu
 skipped and says so):
 
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
-- kernels: products on stored FP8 / MXFP4 weights at released shapes (kernels/triton_products.py) beside
-  dequantize-then-matmul, 1 to 1024 rows: microseconds, GB/s of stored bytes read, TFLOP/s; a MoE layer's routed
-  experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 256 tokens; the indexer's scores
-  from the packed pool (kernels/triton_index.py) beside the keys read out, 32K and 256K entries;
+- kernels (gpu_kernels.py): the Triton kernels at released shapes beside the PyTorch paths they replace: products
+  on stored FP8 / MXFP4 weights, a MoE layer's routed experts in one call, the indexer's scores and a decode step's
+  picked-entry attention from the packed pool;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;
@@ -47,6 +46,8 @@ from openflash.engine.sampling import SamplingParams
 from openflash.placement import Placement
 from openflash.tools.parity import run_golden
 from openflash.tools.plan import build_plan
+
+from gpu_kernels import kernels  # (benchmarks/ is this script's own folder on sys.path)
 
 RESULTS = Path(__file__).parent / "results"
 GOLDENS = ("tests/goldens/A", "tests/goldens/A2", "tests/goldens/B2", "tests/goldens/D")
@@ -119,139 +120,6 @@ def hardware(b: Bench) -> dict[str, float]:
         b.sync()
         times.append(time.perf_counter() - t)
     return {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(2 * m ** 3 / min(times[2:]) / 1e12, 1)}
-
-
-def _median_s(b: Bench, fn: Callable[[], Any], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        b.sync()
-        t = time.perf_counter()
-        fn()
-        b.sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def kernels(b: Bench) -> dict[str, Any]:
-    """Products on stored weights at the released shapes (wq_a, wq_b: FP8; an expert's w1, w2: MXFP4), the Triton
-    kernel beside dequantizing the weight and multiplying in fp32 (what a stored weight cost on CUDA before)."""
-    from openflash import formats
-    from openflash.kernels.triton_products import stored_product
-
-    shapes = [("fp8", 1280, 5120), ("fp8", 32768, 1280), ("fp4", 2304, 5120), ("fp4", 5120, 2304)]
-    rows, runs = (1, 16, 64, 1024), 20
-    if b.dry:
-        shapes, rows, runs = [("fp8", 64, 64), ("fp4", 64, 64)], (1, 17), 1
-    out: dict[str, Any] = {}
-    for storage, n, k in shapes:
-        values = torch.randn(n, k, device=b.device)
-        if storage == "fp8":
-            weight = formats.e4m3_encode(values)
-            scale = torch.full((-(-n // 32), k // 32), 127, dtype=torch.uint8, device=b.device)
-            decoded = formats.e4m3_decode
-            expand = lambda s: s.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)  # noqa: E731
-        else:
-            weight = formats.pack_fp4(formats.e2m1_encode(values.clamp(-6, 6)))
-            scale = torch.full((n, k // 32), 127, dtype=torch.uint8, device=b.device)
-            decoded = lambda w: formats.e2m1_decode(formats.unpack_fp4(w))  # noqa: E731
-            expand = lambda s: s.repeat_interleave(32, 1)  # noqa: E731
-        stored_bytes = weight.numel() + scale.numel()
-        for r in rows:
-            x = torch.randn(r, k, device=b.device)
-            kernel_s = _median_s(b, lambda: stored_product(x, weight, scale, storage, True), runs)
-            dequant_s = _median_s(b, lambda: formats.act_quant_qdq(x) @ (decoded(weight) * expand(
-                formats.ue8m0_decode(scale))).t(), runs)
-            out[f"{storage} {n}x{k} rows {r}"] = {
-                "kernel_us": round(kernel_s * 1e6, 1), "dequantized_us": round(dequant_s * 1e6, 1),
-                "kernel_GBps": round(stored_bytes / kernel_s / 1e9, 1),
-                "kernel_TFLOPs": round(2 * r * n * k / kernel_s / 1e12, 2)}
-    out.update(_experts(b))
-    out.update(_index_scores(b))
-    return out
-
-
-def _index_scores(b: Bench) -> dict[str, Any]:
-    """The indexer's scores of one decode query at the released widths (32 heads, 128-wide MXFP4 keys, packed
-    pool) over 32K to 256K entries (128K to 1M tokens at ratio 4): kernels/triton_index.py from the pool beside the
-    keys read out and scored by the fp32 ops."""
-    from openflash import formats
-    from openflash.engine.block_pool import BlockPool, EntryLayout
-    from openflash.engine.cache import PagedCompressedCache
-    from openflash.kernels.triton_index import paged_index_scores
-    from openflash.model.indexer import index_scores
-
-    H, D, runs = (32, 128, 20) if not b.dry else (4, 32, 1)
-    out: dict[str, Any] = {}
-    for n in ((32768, 262144) if not b.dry else (100,)):
-        pool = BlockPool(EntryLayout(512 if not b.dry else 32, D, "packed"), block_size=64, initial_blocks=2,
-                         device=b.device)
-        store = PagedCompressedCache.empty(pool, 1, 4, 512 if not b.dry else 32, device=b.device)
-        keys = formats.fp4_qdq_ue8m0(torch.randn(n, D, device=b.device))
-        store.write(torch.zeros(n, dtype=torch.long, device=b.device), torch.arange(n, device=b.device),
-                    torch.zeros(n, pool.layout.head_dim, device=b.device), keys)
-        q = formats.fp4_qdq_ue8m0(torch.randn(1, 1, H, D, device=b.device))
-        w = torch.randn(1, 1, H, device=b.device)
-        table = store.device_table
-        args = (q.view(1, H, D), w.view(1, H), torch.zeros(1, dtype=torch.long, device=b.device), table,
-                pool.planes["index_k"], pool.planes["index_scale"], n, True)
-        kernel_s = _median_s(b, lambda: paged_index_scores(*args), runs)
-        read_s = _median_s(b, lambda: index_scores(q, store.read_index(n), w), runs)
-        error = (paged_index_scores(*args) - index_scores(q, store.read_index(n), w).view(1, n)).abs().max()
-        out[f"index scores {n} entries"] = {
-            "kernel_us": round(kernel_s * 1e6, 1), "read_out_us": round(read_s * 1e6, 1),
-            "kernel_GBps": round(n * (D // 2 + D // 32) / kernel_s / 1e9, 1),
-            "max_abs_diff": float(f"{float(error):.2g}")}
-    return out
-
-
-def _experts(b: Bench) -> dict[str, Any]:
-    """A MoE layer's routed experts at the released shapes (K 5120, I 2304, 6 of 32 experts a token): the one-call
-    Triton kernels (kernels/triton_experts.py: per pair up to 16 pairs, tiled past them) beside one stored_product
-    call per expert and projection."""
-    from openflash import formats
-    from openflash.kernels.triton_experts import fp4_experts
-    from openflash.kernels.triton_products import stored_product
-
-    K, I, E, k, runs = (5120, 2304, 32, 6, 20) if not b.dry else (64, 64, 4, 2, 1)
-    gen = torch.Generator(device=b.device).manual_seed(0)
-
-    def fp4(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = torch.randint(0, 16, (n, width), generator=gen, device=b.device, dtype=torch.uint8)
-        return formats.pack_fp4(codes), torch.full((n, width // 32), 124, dtype=torch.uint8, device=b.device)
-
-    made = [[fp4(n, width) for _ in range(E)] for n, width in ((I, K), (I, K), (K, I))]
-    parts = [[m[j] for m in made[i]] for i in range(3) for j in range(2)]  # w1, s1, w3, s3, w2, s2
-    out: dict[str, Any] = {}
-    for tokens in ((1, 4, 16, 256) if not b.dry else (1, 3, 20)):
-        x = torch.randn(tokens, K, device=b.device)
-        expert = torch.stack([torch.randperm(E, generator=gen, device=b.device)[:k] for _ in range(tokens)]).flatten()
-        token = torch.arange(tokens, device=b.device).repeat_interleave(k)
-        weight = torch.rand(tokens * k, generator=gen, device=b.device)
-        touched = expert.unique().tolist()
-        stored_bytes = len(touched) * sum(t[0].numel() + t[1].numel() for t in (made[0][0], made[1][0], made[2][0]))
-
-        def per_expert() -> torch.Tensor:
-            y = torch.zeros_like(x)
-            for e in touched:
-                rows = token[expert == e]
-                xe = x[rows]
-                g = stored_product(xe, parts[0][e], parts[1][e], "fp4", True).clamp(max=10.0)
-                u = stored_product(xe, parts[2][e], parts[3][e], "fp4", True).clamp(-10.0, 10.0)
-                h = weight[expert == e, None] * torch.nn.functional.silu(g) * u
-                y.index_add_(0, rows, stored_product(h, parts[4][e], parts[5][e], "fp4", True))
-            return y
-
-        one_s = _median_s(b, lambda: fp4_experts(x, *parts, token, expert, weight, 10.0, True), runs)
-        each_s = _median_s(b, per_expert, runs)
-        want = per_expert()  # the same sums in another order: equal to fp32 rounding
-        error = ((fp4_experts(x, *parts, token, expert, weight, 10.0, True) - want).abs().max()
-                 / want.abs().max().clamp(min=1e-30))
-        out[f"fp4 experts {E}x(3x{I}x{K}) tokens {tokens}"] = {
-            "one_call_us": round(one_s * 1e6, 1), "per_expert_us": round(each_s * 1e6, 1),
-            "one_call_GBps": round(stored_bytes / one_s / 1e9, 1), "experts_touched": len(touched),
-            "max_rel_diff": float(f"{float(error):.2g}")}
-    return out
 
 
 def parity(b: Bench) -> dict[str, Any]:

@@ -149,7 +149,7 @@ def test_fused_ops_have_exact_gradients() -> None:
     """The hand-written backward passes of the training path, against finite differences in float64."""
     from torch.autograd import gradcheck
 
-    from openflash.model.attention import _DenseSinkAttention
+    from openflash.model.sink_attention import _DenseSinkAttention
     from openflash.model.layers import _RMSNormFunction
     from openflash.model.mhc import HcIn, HcOut, Sinkhorn, sinkhorn
     from openflash.model.moe import _SwiGLU

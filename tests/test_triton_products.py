@@ -1,6 +1,8 @@
-"""The GPU products on stored FP8 / MXFP4 weights (kernels/triton_products.py), run by Triton's interpreter on the
-CPU (tests/conftest.py turns it on where there is no GPU), against dequantize-then-matmul in fp64: every E4M3 and E2M1 code, extreme UE8M0 exponents, odd shapes, one
-and many rows, with and without the activation QDQ. On a machine with CUDA the same checks run on the GPU too."""
+"""The Triton kernels, run by Triton's interpreter on the CPU (tests/conftest.py turns it on where there is no GPU):
+the products on stored FP8 / MXFP4 weights (kernels/triton_products.py) against dequantize-then-matmul in fp64
+(every E4M3 and E2M1 code, extreme UE8M0 exponents, odd shapes, one and many rows, with and without the activation
+QDQ), a layer's routed experts in one call, and the pool kernels (the indexer's scores, the picked entries'
+attention) against the keys and entries read out. On a machine with CUDA the same checks run on the GPU too."""
 
 from __future__ import annotations
 
@@ -222,3 +224,52 @@ def test_a_prefill_sized_experts_call_is_tiled_and_matches(device: str) -> None:
     got = triton_experts.fp4_experts(x.to(device), *[[t.to(device) for t in p] for p in parts], token.to(device),
                                      expert.to(device), weight.to(device), limit, True)
     check(got, _experts_oracle(x, values, token, expert, weight, limit, True))
+
+
+# ---- the sparse attention's picked part from the engine's block pool (kernels/triton_attention.py) --------------
+
+@pytest.mark.parametrize("storage", ["packed", "fp32"])
+@pytest.mark.parametrize("heads", [4, 20])
+@pytest.mark.parametrize("device", DEVICES)
+def test_picked_attention_from_the_pool_matches_the_entries_read_out(storage: str, heads: int, device: str) -> None:
+    """Two rows of different lengths, blocks of 8 entries, three queries a row picking 37 entries (a partial
+    BLOCK_K tile) with some -1, one query with none, 4 and 20 heads (a partial and a second head block), E4M3
+    scales down to the subnormal ones: the partial softmax (acc, max, total) of the entries read out in fp64."""
+    from openflash.engine.block_pool import BlockPool, EntryLayout
+    from openflash.engine.cache import PagedCompressedCache
+    from openflash.kernels.triton_attention import picked_attention
+
+    gen = torch.Generator().manual_seed(15)
+    D, K, scale = 64, 37, 0.125
+    pool = BlockPool(EntryLayout(D, 32, storage), block_size=8, device=device)
+    store = PagedCompressedCache.empty(pool, 2, 4, D, device=device)
+    lengths = (21, 50)
+    for row, length in enumerate(lengths):
+        magnitude = torch.logspace(-4, 1, length).unsqueeze(1)  # subnormal E4M3 scales at the small end
+        kv = formats.fp4_qdq_e4m3(torch.randn(length, D, generator=gen) * magnitude)
+        store.write(torch.full((length,), row, device=device), torch.arange(length, device=device), kv.to(device),
+                    formats.fp4_qdq_ue8m0(torch.randn(length, 32, generator=gen)).to(device))
+    picks = torch.stack([torch.randint(0, lengths[r // 3], (K,), generator=gen) for r in range(6)])
+    picks[1, ::3] = -1
+    picks[4] = -1
+    q = torch.randn(6, heads, D, generator=gen)
+    rows = torch.arange(2).repeat_interleave(3)
+    picks, q_dev, rows_dev = picks.to(device), q.to(device), rows.to(device)
+    kv = pool.planes["kv"]
+    planes = pool.planes
+    acc, row_max, total = (t.cpu() for t in picked_attention(q_dev, picks, rows_dev, store.device_table, planes["kv"],
+                                                             planes.get("kv_scale", planes["kv"]), scale,
+                                                             storage == "packed"))
+    picks = picks.cpu()
+    entries = store.read(50)[0].cpu().double()[rows.unsqueeze(1), picks.clamp(min=0)]  # [6, K, D]
+    z = torch.einsum("rhd,rkd->rhk", q.double(), entries) * scale
+    z = z.masked_fill((picks < 0).unsqueeze(1), float("-inf"))
+    want_max = z.amax(-1).clamp(min=-1e30)
+    p = torch.exp(z - want_max.unsqueeze(-1))
+    torch.testing.assert_close(row_max.double(), want_max, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total.double(), p.sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc.double(), torch.einsum("rhk,rkd->rhd", p, entries), rtol=1e-5, atol=1e-5)
+    assert bool((total[4] == 0).all()) and bool((acc[4] == 0).all())
+    with pytest.raises(ValueError, match="picks int64"):
+        picked_attention(q_dev, picks.int().to(device), rows_dev, store.device_table, planes["kv"],
+                         planes.get("kv_scale", planes["kv"]), scale, storage == "packed")

@@ -149,8 +149,8 @@ class PagedCompressedCache:
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:
         """The indexer's scores [B, S, n] of entries [0, n) from the pool's index-key planes, by the kernel
-        `kernels.index_kernel` names here (the keys never decoded into a copy); None where there is none."""
-        if kernels.index_kernel(q.device) is None:
+        `kernels.pool_kernel` names here (the keys never decoded into a copy); None where there is none."""
+        if kernels.pool_kernel(q.device) is None:
             return None
         B, S, H, D = q.shape
         planes = self.pool.planes
@@ -160,6 +160,21 @@ class PagedCompressedCache:
                                                          self._blocks(n), keys, planes.get("index_scale", keys), n,
                                                          self.pool.layout.storage == "packed")
         return scores.view(B, S, n)
+
+    def picked_attention(self, q: torch.Tensor, picks: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The partial softmax over the picked entries (CompressedStore), from the pool's main-KV planes by the
+        kernel `kernels.pool_kernel` names (never a gathered fp32 copy of the entries); None where there is none."""
+        if kernels.pool_kernel(q.device) is None:
+            return None
+        B, S, H, D = q.shape
+        planes = self.pool.planes
+        kv = planes["kv"]
+        rows = torch.arange(B, device=q.device).repeat_interleave(S)
+        acc, row_max, total = kernels.triton_attention.picked_attention(
+            q.reshape(B * S, H, D), picks.reshape(B * S, -1), rows, self.device_table, kv, planes.get("kv_scale", kv),
+            scale, self.pool.layout.storage == "packed")
+        return acc.view(B, S, H, D), row_max.view(B, S, H), total.view(B, S, H)
 
     def _blocks(self, n: int) -> torch.Tensor:
         """The table's first ceil(n / block_size) blocks of every row, padded with the zero block."""

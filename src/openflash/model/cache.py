@@ -100,6 +100,12 @@ class CompressedStore(Protocol):
         for queries q [B, S, H, Dk] and head weights w [B, S, H], by a kernel that reads the stored keys; None
         where the store has none (the caller reads the keys and scores them)."""
 
+    def picked_attention(self, q: torch.Tensor, picks: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The partial softmax of queries q [B, S, H, D] over the entries picks [B, S, k] names (-1 = none), by a
+        kernel that reads the stored entries: (acc [B, S, H, D], running max [B, S, H], total [B, S, H]) as
+        kernels/triton_attention.py defines them; None where the store has none (the caller gathers the entries)."""
+
     capacity: int  # entries each row can read (`read(capacity)`) without growing
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:

@@ -91,6 +91,14 @@ class CompressedView:
             return None
         return self.store.index_scores(q, w, self.size)
 
+    def stored_attention(self, q: torch.Tensor, picks: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The partial softmax over the picked entries by the store's own kernel (CompressedStore.picked_attention),
+        or None (no store, the entries already read, or no kernel there)."""
+        if self.store is None or self._kv is not None:
+            return None
+        return self.store.picked_attention(q, picks, scale)
+
     def picked(self, picks: torch.Tensor) -> torch.Tensor:
         """The kv of the entries picks [B, S, k] names ([B, S, k, head_dim]; a -1 pick reads some entry: masked by
         the caller)."""

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from openflash.config import FlashConfig
-from openflash.model.attention import Attention, reference_sparse_attention, sparse_attention
+from openflash.model.attention import Attention
+from openflash.model.sink_attention import reference_sparse_attention, sparse_attention
 from openflash.model.block import Block
 from openflash.model.cache import WindowStore
 from openflash.model.context import StepContext

@@ -216,6 +216,9 @@ class CompressedCache:
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> None:
         return None  # the keys are fp32 tensors already: the numerics' own ops score them
 
+    def picked_attention(self, q: torch.Tensor, picks: torch.Tensor, scale: float) -> None:
+        return None  # likewise the entries: gathered and attended by the numerics' own ops
+
     @property
     def capacity(self) -> int:
         return int(self.kv.shape[1])

@@ -1,0 +1,184 @@
+"""The softmax of CSA2 attention over [sink | window keys | selected compressed entries] (architecture.md §5.10), in
+each form a kernel set of model/attention.py runs: `sparse_attention` (inference, gathered entries),
+`merge_picked_part` (inference, the entries attended in place by a pool kernel), `dense_sparse_attention` (training
+on whole sequences, with its own backward) and the reference kernel's exact numerics (`reference_sparse_attention`,
+over the KV list `reference_window_layout` lays out). K = V throughout: one latent is each entry's key and value."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
+MAX_FLOOR = -1e30
+
+
+def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
+                     selected_kv: torch.Tensor, selected_mask: torch.Tensor, sink: torch.Tensor,
+                     scale: float, round_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B,S,H,D] over window keys [B,L,D] (mask [B,S,L]) and selected compressed entries
+    [B,S,K,D] (mask [B,S,K]), K = V, with a per-head sink logit only in the denominator (§5.10).
+
+    Returns (output [B,S,H,D], probabilities of the selected entries [B,S,H,K]).
+    """
+    zw = torch.einsum("bshd,bld->bshl", q, window_kv) * scale
+    zc = torch.einsum("bshd,bskd->bshk", q, selected_kv) * scale
+    zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
+    zc = zc.masked_fill(~selected_mask.unsqueeze(2), float("-inf"))
+    m = torch.maximum(torch.maximum(zw.amax(-1), zc.amax(-1) if zc.shape[-1] else zw.amax(-1)),
+                      torch.full((), MAX_FLOOR, device=q.device)).detach()  # a fill, no host-to-device copy
+    pw, pc = torch.exp(zw - m.unsqueeze(-1)), torch.exp(zc - m.unsqueeze(-1))
+    denom = pw.sum(-1) + pc.sum(-1) + torch.exp(sink.view(1, 1, -1) - m)
+    # The reference kernel casts probabilities to bf16 before the P.V product (quant_and_cache.md §4).
+    acc = torch.einsum("bshl,bld->bshd", round_fn(pw), window_kv) + \
+        torch.einsum("bshk,bskd->bshd", round_fn(pc), selected_kv)
+    return round_fn(acc / denom.unsqueeze(-1)), pc / denom.unsqueeze(-1)
+
+
+def merge_picked_part(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
+                      picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sink: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """`sparse_attention`'s output (fp32 numerics: no bf16 rounding) where a kernel attended the selected entries
+    in place (kernels/triton_attention.py): their partial softmax picked = (acc [B,S,H,D], running max m_c
+    [B,S,H], total [B,S,H]) relative to m_c, merged with the window's part and the sink at the common max m
+    (flash decoding's split-softmax merge: each part rescaled by exp(its max - m))."""
+    acc_c, m_c, total_c = picked
+    zw = torch.einsum("bshd,bld->bshl", q, window_kv) * scale
+    zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
+    m = torch.maximum(torch.maximum(zw.amax(-1), m_c), torch.full((), MAX_FLOOR, device=q.device))
+    pw, rescale = torch.exp(zw - m.unsqueeze(-1)), torch.exp(m_c - m)
+    denom = pw.sum(-1) + total_c * rescale + torch.exp(sink.view(1, 1, -1) - m)
+    acc = torch.einsum("bshl,bld->bshd", pw, window_kv) + acc_c * rescale.unsqueeze(-1)
+    return acc / denom.unsqueeze(-1)
+
+
+class _DenseSinkAttention(torch.autograd.Function):
+    """Softmax attention of q [B,S,H,D] over keys kv [B,N,D] (K = V) under a mask [B,S,N], plus a per-head sink
+    logit that only adds to the denominator; returns the output and the probabilities [B,S,H,N].
+
+    The sink is a zero key/value row appended to kv whose logit is overwritten with the sink, so one softmax
+    kernel handles it. Backward: dz = softmax_backward(do kv^T, p); dq = scale dz kv; dkv = scale dz^T q + p^T do;
+    dsink = the sink column of dz summed over batch and queries.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float):
+        B, S, H, D = q.shape
+        N = kv.shape[1]
+        kv_ext = torch.cat((kv, kv.new_zeros(B, 1, D)), dim=1)
+        qs = (q * scale).reshape(B, S * H, D)
+        z = torch.bmm(qs, kv_ext.transpose(1, 2)).view(B, S, H, N + 1)
+        z[..., N] = sink.to(z.dtype)
+        z[..., :N].masked_fill_(~mask.unsqueeze(2), float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        o = torch.bmm(p.view(B, S * H, N + 1), kv_ext).view(B, S, H, D)
+        ctx.save_for_backward(qs, kv_ext, p)
+        ctx.scale = scale
+        probs = p[..., :N]
+        ctx.mark_non_differentiable(probs)
+        return o, probs
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor, _unused: torch.Tensor):
+        qs, kv_ext, p = ctx.saved_tensors
+        B, S, H, n1 = p.shape
+        D = kv_ext.shape[-1]
+        do = do.reshape(B, S * H, D)
+        p = p.view(B, S * H, n1)
+        dp = torch.bmm(do, kv_ext.transpose(1, 2))
+        dz = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        d_sink = dz[..., n1 - 1].reshape(B, S, H).sum(dim=(0, 1))
+        dq = torch.bmm(dz, kv_ext).mul_(ctx.scale).view(B, S, H, D)
+        # qs already carries the scale, so dz^T qs is the key part of dkv; p^T do is the value part.
+        d_kv = torch.bmm(dz.transpose(1, 2), qs).add_(torch.bmm(p.transpose(1, 2), do))
+        return dq, d_kv[:, : n1 - 1], None, d_sink, None
+
+
+def dense_sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: int, compressed_kv: torch.Tensor,
+                           picks: torch.Tensor | None, sink: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention` for a training forward (positions 0..S-1; same math, fused), returning
+    (output [B,S,H,D], probabilities of the picked entries [B,S,H,K], 0 where picks is -1).
+
+    q [B,S,H,D]; kv [B,S,D] the window keys/values of the same positions; compressed_kv [B,T,D]; picks [B,S,K].
+    Queries go in blocks of `window`: a block's window keys all lie in its own and the previous block, so each
+    block scores 2*window window keys plus every compressed entry (masked to its picks) with large matmuls,
+    instead of gathering each query's entries.
+    """
+    B, S, H, D = q.shape
+    W, T = window, compressed_kv.shape[1]
+    nb = -(-S // W)
+    pad = nb * W - S
+    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B * nb, W, H, D)
+    # Block b's keys are positions [bW - W, bW + W): W zero rows in front, then one unfold.
+    keys = F.pad(kv, (0, 0, W, pad)).unfold(1, 2 * W, W).transpose(2, 3).reshape(B * nb, 2 * W, D)
+    i = torch.arange(W, device=q.device).unsqueeze(1)
+    j = torch.arange(2 * W, device=q.device)
+    band = (j > i) & (j <= i + W)  # key position bW - W + j within (p - W, p] of query p = bW + i
+    mask = band.expand(B, nb, W, 2 * W).clone()
+    mask[:, 0] &= j >= W  # block 0: nothing before position 0
+    mask = mask.view(B * nb, W, 2 * W)
+    if picks is not None and T > 0:
+        # Picked-entry mask: -1 picks land in a spare column T, dropped after the scatter.
+        slot = torch.where(picks >= 0, picks, T)
+        picked = torch.zeros(B, S, T + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :T]
+        picked = F.pad(picked, (0, 0, 0, pad)).view(B * nb, W, T)
+        mask = torch.cat((mask, picked), dim=-1)
+        per_block = compressed_kv.to(kv.dtype).unsqueeze(1).expand(B, nb, T, D).reshape(B * nb, T, D)
+        keys = torch.cat((keys, per_block), dim=1)
+    o, probs = _DenseSinkAttention.apply(qb, keys, mask, sink, scale)
+    o = o.view(B, nb * W, H, D)[:, :S]
+    if picks is None:
+        return o, q.new_zeros(B, S, H, 0)
+    if T == 0:
+        return o, q.new_zeros(B, S, H, picks.shape[-1])
+    probs = probs[..., 2 * W:].reshape(B, nb * W, H, T)[:, :S]
+    p_picked = probs.gather(-1, slot.clamp(max=T - 1).unsqueeze(2).expand(-1, -1, H, -1))
+    return o, p_picked.masked_fill(~(picks >= 0).unsqueeze(2), 0.0)
+
+
+def reference_sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                               scale: float, block: int = 64) -> torch.Tensor:
+    """The reference kernel's exact numerics (quant_and_cache.md §4): indices processed in blocks of 64 with an
+    online softmax from a running max of -1e30, fp32 probabilities in the denominator, bf16 probabilities in the
+    P.V product, the sink added to the denominator last. q [B,S,H,D], kv [B,N,D], idx [B,S,T] (-1 = absent)."""
+    B, S, H, D = q.shape
+    rows = torch.arange(B, device=q.device).view(B, 1, 1)
+    acc = torch.zeros(B, S, H, D, device=q.device)
+    total = torch.zeros(B, S, H, device=q.device)
+    running_max = torch.full((B, S, H), MAX_FLOOR, device=q.device)
+    for t in range(0, idx.shape[-1], block):
+        ids = idx[..., t: t + block]
+        valid = ids >= 0
+        kv_blk = kv[rows, ids.clamp(min=0)] * valid.unsqueeze(-1)
+        z = torch.where(valid.unsqueeze(2), torch.einsum("bshd,bskd->bshk", q, kv_blk), float("-inf")) * scale
+        new_max = torch.maximum(running_max, z.amax(dim=-1))
+        rescale = torch.exp(running_max - new_max)
+        p = torch.exp(z - new_max.unsqueeze(-1))
+        total = total * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(torch.bfloat16).float(), kv_blk)
+        running_max = new_max
+    total = total + torch.exp(sink.view(1, 1, -1) - running_max)
+    return (acc / total.unsqueeze(-1)).to(torch.bfloat16).float()
+
+
+def reference_window_layout(kv: torch.Tensor, pos: torch.Tensor, ring_kv: torch.Tensor | None,
+                            window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's window part of the KV list and its per-query indices (architecture.md §5.3): the chunk's
+    own kv in prefill, the ring after this token's write (oldest slot first) in decode. None for other shapes
+    (chunked prefill), which the reference does not support."""
+    B, S = pos.shape
+    if bool((pos[:, 0] == 0).all()):
+        i = torch.arange(S, device=kv.device).unsqueeze(1)
+        ids = (i - window + 1).clamp(min=0) + torch.arange(min(S, window), device=kv.device)
+        ids = torch.where(ids > i, -1, ids)
+        return kv, ids.unsqueeze(0).expand(B, -1, -1)
+    if S == 1 and ring_kv is not None:
+        p = pos[:, 0]
+        ring = ring_kv.clone()
+        ring[torch.arange(B, device=kv.device), p % window] = kv[:, 0]
+        oldest = (p % window + 1).unsqueeze(1)
+        slots = (oldest + torch.arange(window, device=kv.device)) % window
+        slots = torch.where(slots > p.unsqueeze(1), -1, slots)
+        return ring, slots.unsqueeze(1)
+    return None
