@@ -9,7 +9,7 @@ skipped and says so):
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
 - kernels (gpu_kernels.py): the Triton kernels at released shapes beside the PyTorch paths they replace: products
   on stored FP8 / MXFP4 weights, a MoE layer's routed experts in one call, the indexer's scores and a decode step's
-  picked-entry attention from the packed pool;
+  attention (window ring and picked entries) read in place from the packed cache;
 - parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;

@@ -7,8 +7,8 @@ sizes):
 - a MoE layer's routed experts in one call (kernels/triton_experts.py) beside one call per expert, 1 to 256 tokens;
 - the indexer's scores from the packed pool (kernels/triton_index.py) beside the keys read out, 32K and 256K
   entries;
-- a decode step's sparse attention over its 512 picked entries from the packed pool (kernels/triton_attention.py)
-  beside the entries gathered and attended by the fp32 ops, 1 to 64 query rows.
+- a decode step's attention of one layer, its window ring and 512 picked entries read in place
+  (kernels/triton_attention.py) beside both read out and attended by the fp32 ops, 1 to 64 query rows.
 
 GB/s are of the stored bytes each kernel reads: compare them with gpu.py's `hardware` copy of the same run.
 """
@@ -78,7 +78,7 @@ def kernels(b: Device) -> dict[str, Any]:
                 "kernel_TFLOPs": round(2 * r * n * k / kernel_s / 1e12, 2)}
     out.update(_experts(b))
     out.update(_index_scores(b))
-    out.update(_picked_attention(b))
+    out.update(_cache_attention(b))
     return out
 
 
@@ -165,52 +165,57 @@ def _experts(b: Device) -> dict[str, Any]:
     return out
 
 
-def _picked_attention(b: Device) -> dict[str, Any]:
-    """A decode step's attention over its picked compressed entries at the released widths (64 heads, 512-wide
-    packed entries of 288 B, 512 picks a query row, 128K tokens' entries in the pool): kernels/triton_attention.py
-    straight from the pool, merged with a 128-slot window (model/attention.py `merge_picked_part`), beside the
-    entries gathered (decoded to fp32) and attended by `sparse_attention`."""
+def _cache_attention(b: Device) -> dict[str, Any]:
+    """A decode step's attention of one layer at the released widths (64 heads of 512, 512 picks a query row from a
+    pool of 32K packed entries, a packed 128-slot window ring), as model/attention.py runs it: the ring and the picked
+    entries attended in place by kernels/triton_attention.py and merged (`sparse_attention` with parts), beside the
+    ring decoded and the picks gathered to fp32 and attended by `sparse_attention` alone."""
     from openflash import formats
     from openflash.engine.block_pool import BlockPool, EntryLayout
-    from openflash.engine.cache import PagedCompressedCache
-    from openflash.kernels.triton_attention import picked_attention
-    from openflash.model.sink_attention import merge_picked_part, sparse_attention
+    from openflash.engine.cache import PackedWindowCache, PagedCompressedCache
+    from openflash.kernels.triton_attention import picked_attention, ring_attention
+    from openflash.model.sink_attention import sparse_attention
 
     H, D, K, W, n, runs = (64, 512, 512, 128, 32768, 20) if not b.dry else (4, 64, 40, 16, 100, 1)
-    dev = b.device
+    dev, scale = b.device, D ** -0.5
     gen = torch.Generator(device=dev).manual_seed(1)
     out: dict[str, Any] = {}
     for rows in ((1, 16, 64) if not b.dry else (1, 3)):
         pool = BlockPool(EntryLayout(D, 128, "packed"), block_size=64, initial_blocks=2, device=dev)
         store = PagedCompressedCache.empty(pool, rows, 4, D, device=dev)
-        kv = formats.fp4_qdq_e4m3(torch.randn(n, D, generator=gen, device=dev))
+        entries = formats.fp4_qdq_e4m3(torch.randn(n, D, generator=gen, device=dev))
         for r in range(rows):  # (every row the same entries: the reads are what is timed)
-            store.write(torch.full((n,), r, device=dev), torch.arange(n, device=dev), kv,
+            store.write(torch.full((n,), r, device=dev), torch.arange(n, device=dev), entries,
                         torch.zeros(n, 128, device=dev))
+        ring = PackedWindowCache.empty(rows, W, D, device=dev)
+        positions = torch.arange(n * 4 - W, n * 4, device=dev).expand(rows, W)
+        ring.write(formats.act_quant_qdq(torch.randn(rows, W, D, generator=gen, device=dev)), positions,
+                   torch.ones(rows, W, dtype=torch.bool, device=dev))
         q = torch.randn(rows, 1, H, D, generator=gen, device=dev)
+        kv = formats.act_quant_qdq(torch.randn(rows, 1, D, generator=gen, device=dev))  # the query token's own
+        pos = torch.full((rows, 1), n * 4, device=dev)
         picks = torch.stack([torch.randperm(n, generator=gen, device=dev)[:K] for _ in range(rows)]).view(rows, 1, K)
-        window_kv = formats.act_quant_qdq(torch.randn(rows, W, D, generator=gen, device=dev))
-        window_mask = torch.ones(rows, 1, W, dtype=torch.bool, device=dev)
         sink = torch.zeros(H, device=dev)
-        row_ids = torch.arange(rows, device=dev)
         planes = pool.planes
+        own = torch.ones(rows, 1, 1, dtype=torch.bool, device=dev)
+        no_picks = (kv.new_zeros(rows, 1, 0, D), torch.zeros(rows, 1, 0, dtype=torch.bool, device=dev))
 
         def in_place() -> torch.Tensor:
-            part = picked_attention(q.view(rows, H, D), picks.view(rows, K), row_ids, store.device_table,
-                                    planes["kv"], planes["kv_scale"], D ** -0.5, True)
-            part = tuple(t.view(rows, 1, *t.shape[1:]) for t in part)
-            return merge_picked_part(q, window_kv, window_mask, part, sink, D ** -0.5)
+            parts = (ring_attention(q, pos, ring.codes, ring.scales, ring.pos, W, scale, True),
+                     picked_attention(q, picks, store.device_table, planes["kv"], planes["kv_scale"], scale, True))
+            return sparse_attention(q, kv, own, *no_picks, sink, scale, lambda x: x, parts)[0]
 
-        def gathered() -> torch.Tensor:
-            return sparse_attention(q, window_kv, window_mask, store.gather(picks), picks >= 0, sink, D ** -0.5,
-                                    lambda x: x)[0]
+        def read_out() -> torch.Tensor:
+            window_kv = torch.cat((ring.kv, kv), dim=1)
+            kp = torch.cat((ring.pos, pos), dim=1).unsqueeze(1)
+            mask = (kp >= 0) & (kp <= pos.unsqueeze(2)) & (kp > pos.unsqueeze(2) - W)
+            return sparse_attention(q, window_kv, mask, store.gather(picks), picks >= 0, sink, scale, lambda x: x)[0]
 
-        kernel_s, gather_s = median_s(b, in_place, runs), median_s(b, gathered, runs)
-        want = gathered()
+        kernel_s, read_s = median_s(b, in_place, runs), median_s(b, read_out, runs)
+        want = read_out()
         error = (in_place() - want).abs().max() / want.abs().max().clamp(min=1e-30)
-        entry_bytes = D // 2 + D // 16
-        out[f"picked attention rows {rows}"] = {
-            "kernel_us": round(kernel_s * 1e6, 1), "gathered_us": round(gather_s * 1e6, 1),
-            "picked_GBps": round(rows * K * entry_bytes / kernel_s / 1e9, 1),
-            "max_rel_diff": float(f"{float(error):.2g}")}
+        stored = rows * (K * (D // 2 + D // 16) + W * (D + D // 32))
+        out[f"cache attention rows {rows}"] = {
+            "in_place_us": round(kernel_s * 1e6, 1), "read_out_us": round(read_s * 1e6, 1),
+            "in_place_GBps": round(stored / kernel_s / 1e9, 1), "max_rel_diff": float(f"{float(error):.2g}")}
     return out

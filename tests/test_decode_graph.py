@@ -211,8 +211,8 @@ def test_a_step_that_cannot_be_one_graph_is_refused_before_it_runs_and_runs_per_
 def test_the_engine_s_packed_cache_decodes_as_one_graph(monkeypatch, in_place):
     """The engine's packed storage (FP4 KV, MXFP4 index keys, FP8 rings) written by the whole-step graph: one
     graph (its exact KV encoder has no data-dependent branch), the eager step's logits. It broke in two before,
-    and the resumed halves, shared across layers, gave wrong logits. in_place: the pool's keys scored and its
-    picked entries attended by the Triton kernels as custom ops (forced here: CUDA's `kernels.pool_kernel`)."""
+    and the resumed halves, shared across layers, gave wrong logits. in_place: the pool's keys scored, its picked
+    entries and the rings attended by the Triton kernels as custom ops (forced here: CUDA's `kernels.cache_kernel`)."""
     from openflash.engine.cache import CacheFactory
 
     if in_place and not kernels.triton_products.available():
@@ -228,13 +228,14 @@ def test_the_engine_s_packed_cache_decodes_as_one_graph(monkeypatch, in_place):
     graph = DecodeGraph(runtime.model)
     monkeypatch.setattr(runtime, "_graph", lambda: graph)
     if in_place:
-        monkeypatch.setattr(kernels, "pool_kernel", lambda device: "triton")
+        monkeypatch.setattr(kernels, "cache_kernel", lambda device: "triton")
 
         def read_out(self, *args):
             raise AssertionError("the index keys or the picked entries were read out")
 
         for name in ("read_index", "gather"):
             monkeypatch.setattr(type(next(iter(cache.compressed.values()))), name, read_out)
+        monkeypatch.setattr(type(cache.window[0]), "kv", property(read_out))
     got = [runtime.decode(tokens, cache) for _ in range(3)]
     assert graph.broken is None and graph.steps == 3 and graph.graphs == 1, (graph.broken, graph.stats())
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)

@@ -121,9 +121,10 @@ def test_a_decode_step_reads_the_index_keys_and_only_the_picked_entries(fp32, st
 @pytest.mark.skipif(not kernels.triton_products.available(), reason="Triton is not installed")
 @pytest.mark.parametrize("storage", ["fp32", "packed"])
 def test_the_pool_s_keys_and_entries_are_read_in_place_where_kernels_read_them(fp32, storage, monkeypatch):
-    """Where `kernels.pool_kernel` names them (CUDA; forced here, Triton's interpreter on the CPU), a prefill chunk
+    """Where `kernels.cache_kernel` names them (CUDA; forced here, Triton's interpreter on the CPU), a prefill chunk
     and a decode step score the index keys in the pool (kernels/triton_index.py) and attend the picked entries there
-    (kernels/triton_attention.py), reading neither out: the same logits as the keys and entries read out."""
+    and the window rings (kernels/triton_attention.py), reading none out (the packed rings' `kv` decodes them): the
+    same logits as the keys, entries and rings read out."""
     rt = fp32
     factory = CacheFactory.create(rt.cfg, storage, block_size=4)
     cache = factory.empty(2)
@@ -132,13 +133,15 @@ def test_the_pool_s_keys_and_entries_are_read_in_place_where_kernels_read_them(f
     copy = cache.select([0, 1])
     want_chunk = rt.step(chunk, copy)
     want = rt.decode(torch.tensor([5, 6]), copy)
-    monkeypatch.setattr(kernels, "pool_kernel", lambda device: "triton")
+    monkeypatch.setattr(kernels, "cache_kernel", lambda device: "triton")
 
     def read_out(self, *args):
         raise AssertionError("the index keys or the picked entries were read out")
 
     for name in ("read_index", "read", "gather"):
         monkeypatch.setattr(type(next(iter(cache.compressed.values()))), name, read_out)
+    if storage == "packed":
+        monkeypatch.setattr(type(cache.window[0]), "kv", property(read_out))
     torch.testing.assert_close(rt.step(chunk, cache), want_chunk, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rt.decode(torch.tensor([5, 6]), cache), want, rtol=1e-5, atol=1e-5)
 

@@ -226,7 +226,23 @@ def test_a_prefill_sized_experts_call_is_tiled_and_matches(device: str) -> None:
     check(got, _experts_oracle(x, values, token, expert, weight, limit, True))
 
 
-# ---- the sparse attention's picked part from the engine's block pool (kernels/triton_attention.py) --------------
+# ---- the sparse attention's parts from the cache's planes (kernels/triton_attention.py) --------------------------
+
+def _part(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scale: float):
+    """The partial softmax of q [R, H, D] over keys [R, N, D] where seen [R, N], in fp64."""
+    z = torch.einsum("rhd,rkd->rhk", q.double(), keys.double()) * scale
+    z = z.masked_fill(~seen.unsqueeze(1), float("-inf"))
+    row_max = z.amax(-1).clamp(min=-1e30)
+    p = torch.exp(z - row_max.unsqueeze(-1))
+    return torch.einsum("rhk,rkd->rhd", p, keys.double()), row_max, p.sum(-1)
+
+
+def _assert_part(got, want) -> None:
+    acc, row_max, total = (t.cpu().double() for t in got)
+    torch.testing.assert_close(row_max.reshape(want[1].shape), want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total.reshape(want[2].shape), want[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc.reshape(want[0].shape), want[0], rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.parametrize("storage", ["packed", "fp32"])
 @pytest.mark.parametrize("heads", [4, 20])
@@ -234,7 +250,7 @@ def test_a_prefill_sized_experts_call_is_tiled_and_matches(device: str) -> None:
 def test_picked_attention_from_the_pool_matches_the_entries_read_out(storage: str, heads: int, device: str) -> None:
     """Two rows of different lengths, blocks of 8 entries, three queries a row picking 37 entries (a partial
     BLOCK_K tile) with some -1, one query with none, 4 and 20 heads (a partial and a second head block), E4M3
-    scales down to the subnormal ones: the partial softmax (acc, max, total) of the entries read out in fp64."""
+    scales down to the subnormal ones: the partial softmax (acc, max, total) of the entries read out, in fp64."""
     from openflash.engine.block_pool import BlockPool, EntryLayout
     from openflash.engine.cache import PagedCompressedCache
     from openflash.kernels.triton_attention import picked_attention
@@ -252,24 +268,52 @@ def test_picked_attention_from_the_pool_matches_the_entries_read_out(storage: st
     picks = torch.stack([torch.randint(0, lengths[r // 3], (K,), generator=gen) for r in range(6)])
     picks[1, ::3] = -1
     picks[4] = -1
-    q = torch.randn(6, heads, D, generator=gen)
-    rows = torch.arange(2).repeat_interleave(3)
-    picks, q_dev, rows_dev = picks.to(device), q.to(device), rows.to(device)
-    kv = pool.planes["kv"]
+    q = torch.randn(2, 3, heads, D, generator=gen)
     planes = pool.planes
-    acc, row_max, total = (t.cpu() for t in picked_attention(q_dev, picks, rows_dev, store.device_table, planes["kv"],
-                                                             planes.get("kv_scale", planes["kv"]), scale,
-                                                             storage == "packed"))
-    picks = picks.cpu()
-    entries = store.read(50)[0].cpu().double()[rows.unsqueeze(1), picks.clamp(min=0)]  # [6, K, D]
-    z = torch.einsum("rhd,rkd->rhk", q.double(), entries) * scale
-    z = z.masked_fill((picks < 0).unsqueeze(1), float("-inf"))
-    want_max = z.amax(-1).clamp(min=-1e30)
-    p = torch.exp(z - want_max.unsqueeze(-1))
-    torch.testing.assert_close(row_max.double(), want_max, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(total.double(), p.sum(-1), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(acc.double(), torch.einsum("rhk,rkd->rhd", p, entries), rtol=1e-5, atol=1e-5)
-    assert bool((total[4] == 0).all()) and bool((acc[4] == 0).all())
-    with pytest.raises(ValueError, match="picks int64"):
-        picked_attention(q_dev, picks.int().to(device), rows_dev, store.device_table, planes["kv"],
+    got = picked_attention(q.to(device), picks.view(2, 3, K).to(device), store.device_table, planes["kv"],
+                           planes.get("kv_scale", planes["kv"]), scale, storage == "packed")
+    assert got[0].shape == (2, 3, heads, D) and got[1].shape == got[2].shape == (2, 3, heads)
+    rows = torch.arange(2).repeat_interleave(3)
+    entries = store.read(50)[0].cpu()[rows.unsqueeze(1), picks.clamp(min=0)]  # [6, K, D]
+    _assert_part(got, _part(q.view(6, heads, D), entries, picks >= 0, scale))
+    assert bool((got[2].cpu().view(6, heads)[4] == 0).all()) and bool((got[0].cpu().view(6, heads, D)[4] == 0).all())
+    with pytest.raises(ValueError, match="picks must be int64"):
+        picked_attention(q.to(device), picks.view(2, 3, K).int().to(device), store.device_table, planes["kv"],
                          planes.get("kv_scale", planes["kv"]), scale, storage == "packed")
+
+
+@pytest.mark.parametrize("storage", ["packed", "fp32"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_ring_attention_matches_the_ring_read_out(storage: str, device: str) -> None:
+    """A ring of 20 slots (a window of 16 plus spare ones) for two rows, one full and wrapped (slots hold positions
+    past the window too), one with empty slots, two queries a row at different positions, 20 heads: the partial
+    softmax of the visible slots of the ring read out (decoded), in fp64."""
+    from openflash.engine.cache import PackedWindowCache
+    from openflash.kernels.triton_attention import ring_attention
+    from openflash.model.stores import WindowCache
+
+    gen = torch.Generator().manual_seed(16)
+    B, W, D, H, window, scale = 2, 20, 64, 20, 16, 0.125
+    values = formats.act_quant_qdq(torch.randn(B, W, D, generator=gen) * torch.logspace(-3, 1, W).unsqueeze(1))
+    written = torch.tensor([[40 + (s - 40) % W for s in range(W)], list(range(W))])  # each slot's position % W
+    valid = torch.stack([torch.ones(W, dtype=torch.bool), torch.arange(W) < 7])
+    pos = torch.where(valid, written, -1)
+    if storage == "packed":
+        ring = PackedWindowCache.empty(B, W, D, device=device)
+        ring.write(values.to(device), written.to(device), valid.to(device))
+        assert torch.equal(ring.pos.cpu(), pos)
+        kv, scales = ring.codes, ring.scales
+    else:
+        ring = WindowCache(values.to(device), pos.to(device))
+        kv = scales = ring.kv
+    positions = torch.tensor([[52, 59], [6, 9]])
+    q = torch.randn(B, 2, H, D, generator=gen)
+    got = ring_attention(q.to(device), positions.to(device), kv, scales, ring.pos, window, scale, storage == "packed")
+    kp, qp = pos.unsqueeze(1), positions.unsqueeze(2)
+    seen = ((kp >= 0) & (kp <= qp) & (kp > qp - window)).view(B * 2, W)
+    assert not bool(seen.all()) and bool(seen.any(-1).all())
+    read_out = ring.kv.cpu().repeat_interleave(2, 0)  # [B * 2, W, D]
+    _assert_part(got, _part(q.view(B * 2, H, D), read_out, seen, scale))
+    with pytest.raises(ValueError, match="ring planes"):
+        ring_attention(q.to(device), positions.to(device), kv[:, :, :32], scales, ring.pos, window, scale,
+                       storage == "packed")

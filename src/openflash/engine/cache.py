@@ -149,8 +149,8 @@ class PagedCompressedCache:
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:
         """The indexer's scores [B, S, n] of entries [0, n) from the pool's index-key planes, by the kernel
-        `kernels.pool_kernel` names here (the keys never decoded into a copy); None where there is none."""
-        if kernels.pool_kernel(q.device) is None:
+        `kernels.cache_kernel` names here (the keys never decoded into a copy); None where there is none."""
+        if kernels.cache_kernel(q.device) is None:
             return None
         B, S, H, D = q.shape
         planes = self.pool.planes
@@ -164,17 +164,13 @@ class PagedCompressedCache:
     def picked_attention(self, q: torch.Tensor, picks: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The partial softmax over the picked entries (CompressedStore), from the pool's main-KV planes by the
-        kernel `kernels.pool_kernel` names (never a gathered fp32 copy of the entries); None where there is none."""
-        if kernels.pool_kernel(q.device) is None:
+        kernel `kernels.cache_kernel` names (never a gathered fp32 copy of the entries); None where there is none."""
+        if kernels.cache_kernel(q.device) is None:
             return None
-        B, S, H, D = q.shape
         planes = self.pool.planes
         kv = planes["kv"]
-        rows = torch.arange(B, device=q.device).repeat_interleave(S)
-        acc, row_max, total = kernels.triton_attention.picked_attention(
-            q.reshape(B * S, H, D), picks.reshape(B * S, -1), rows, self.device_table, kv, planes.get("kv_scale", kv),
-            scale, self.pool.layout.storage == "packed")
-        return acc.view(B, S, H, D), row_max.view(B, S, H), total.view(B, S, H)
+        return kernels.triton_attention.picked_attention(q, picks, self.device_table, kv, planes.get("kv_scale", kv),
+                                                         scale, self.pool.layout.storage == "packed")
 
     def _blocks(self, n: int) -> torch.Tensor:
         """The table's first ceil(n / block_size) blocks of every row, padded with the zero block."""
@@ -307,6 +303,14 @@ class PackedWindowCache:
     @property
     def kv(self) -> torch.Tensor:
         return formats.decode_window_fp8(self.codes, self.scales)
+
+    def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The ring's part of the attention (WindowStore), its codes decoded in registers where a kernel reads them."""
+        if kernels.cache_kernel(q.device) is None:
+            return None
+        return kernels.triton_attention.ring_attention(q, positions, self.codes, self.scales, self.pos, window, scale,
+                                                       True)
 
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Store tokens at slot position % W; only the last W of a chunk survive."""

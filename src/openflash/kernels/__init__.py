@@ -2,10 +2,10 @@
 (entry points, the experts' call), activations.c (QDQ, layouts), avx2.c and avx512.c (the products). On CUDA:
 triton_products.py (FP8 and MXFP4 products in Triton), triton_experts.py (a layer's routed FP4 experts) and
 triton_index.py (the indexer's scores from the engine's block pool), triton_attention.py (the sparse attention's
-picked entries, from the same pool).
+picked entries, from the same pool, and its window rings).
 
 Whether a kernel serves a product is answered here and only here (`product_kernel`, `serves`, `experts_kernel`,
-`pool_kernel`): the layers, the MoE, the engine's cache, the decode graph and `--weights auto` all ask these."""
+`cache_kernel`): the layers, the MoE, the engine's cache, the decode graph and `--weights auto` all ask these."""
 
 from __future__ import annotations
 
@@ -49,12 +49,12 @@ def experts_kernel(device: torch.device, stored: str | None) -> str | None:
     return None
 
 
-def pool_kernel(device: torch.device) -> str | None:
-    """Which kernels read the engine's block pool in place, on `device`: "triton" on CUDA (triton_index.py scores
-    the index keys, triton_attention.py attends the picked entries), else None (the keys and entries are read out,
-    then scored and attended by the numerics' own ops)."""
+def cache_kernel(device: torch.device) -> str | None:
+    """Which kernels read a cache's stored planes in place, on `device`: "triton" on CUDA (triton_index.py scores
+    the index keys in the engine's pool, triton_attention.py attends the picked entries there and the window
+    rings), else None (keys, entries and rings are read out, then scored and attended by the numerics' own ops)."""
     return "triton" if device.type == "cuda" and triton_products.available() else None
 
 
-__all__ = ["product_kernel", "serves", "experts_kernel", "pool_kernel", "native", "triton_attention",
+__all__ = ["product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
            "triton_experts", "triton_index", "triton_products"]

@@ -27,8 +27,8 @@ from openflash.model.indexer import Indexer, visible_entries
 from openflash.model.layers import Linear, NumericsMixin, RMSNorm
 from openflash.model.numerics import Numerics
 from openflash.model.rope import Rotary
-from openflash.model.sink_attention import (MAX_FLOOR, dense_sparse_attention, merge_picked_part,
-                                            reference_sparse_attention, reference_window_layout, sparse_attention)
+from openflash.model.sink_attention import (MAX_FLOOR, dense_sparse_attention, reference_sparse_attention,
+                                            reference_window_layout, sparse_attention)
 from openflash.topology import LayerMode, LayerTopology
 
 
@@ -209,44 +209,45 @@ class Attention(nn.Module, NumericsMixin):
 
 class AttentionKernels:
     """fp32 / plain: softmax over [sink | window keys | the selected compressed entries] (§5.10), then the
-    block-diagonal grouped low-rank output (§5.11). At inference, where the compressed store has a kernel that
-    attends the picked entries in place (the engine's pool on CUDA), their part comes from it, merged with the
-    window's (`merge_picked_part`)."""
+    block-diagonal grouped low-rank output (§5.11). At inference, where a cache store has a kernel that reads its
+    planes in place (the engine's pool and the rings on CUDA: kernels/triton_attention.py), the ring's part and the
+    picked entries' part come from it, merged with the rest in `sparse_attention`."""
 
-    picked_in_place = True  # the reference's kernel rounds probabilities to bf16 first: not the pool kernel's math
+    in_place = True  # the reference's kernel rounds probabilities to bf16 first: not the cache kernels' math
 
     def attend(self, attn: "Attention", q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                view: CompressedView | None, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [B, S, H, D], probabilities of the selected entries for the indexer's KL, or None)."""
         B, S = q.shape[:2]
         pos = ctx.positions
+        in_place = self.in_place and not (attn.training or torch.is_grad_enabled())  # the kernels have no backward
+        parts = []
         # Window keys: the ring of earlier tokens (if any) then this chunk; visible iff within `window` behind.
+        window_kv, window_pos = kv, pos
         if ctx.cache is not None:
             ring = ctx.cache.window[attn.topo.index]
-            window_kv = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
-            window_pos = torch.cat((ring.pos, pos), dim=1)
-        else:
-            window_kv, window_pos = kv, pos
+            ring_part = ring.attend(q, pos, attn.window, attn.scale) if in_place else None
+            if ring_part is None:
+                window_kv = torch.cat((ring.kv.to(kv.dtype), kv), dim=1)
+                window_pos = torch.cat((ring.pos, pos), dim=1)
+            else:
+                parts.append(ring_part)
         kp, qp = window_pos.unsqueeze(1), pos.unsqueeze(2)
         window_mask = (kp >= 0) & (kp <= qp) & (kp > qp - attn.window)
-        sink = attn.attn_sink.float()
-        if picks is not None and self.picked_in_place and not (attn.training or torch.is_grad_enabled()):
-            picked = view.stored_attention(q, picks, attn.scale)  # (no backward: inference only)
-            if picked is not None:
-                return self.merge_picked_part(q, window_kv, window_mask, picked, sink, attn.scale), None
         selected_kv = kv.new_zeros(B, S, 0, attn.head_dim)
         selected_mask = torch.zeros(B, S, 0, dtype=torch.bool, device=q.device)
         if picks is not None:
-            selected_mask = picks >= 0
-            selected_kv = view.picked(picks).to(q.dtype)
-        return self.sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, sink, attn.scale,
-                                     attn.numerics.round)
+            picked_part = view.stored_attention(q, picks, attn.scale) if in_place else None
+            if picked_part is None:
+                selected_mask = picks >= 0
+                selected_kv = view.picked(picks).to(q.dtype)
+            else:
+                parts.append(picked_part)
+        return self.sparse_attention(q, window_kv, window_mask, selected_kv, selected_mask, attn.attn_sink.float(),
+                                     attn.scale, attn.numerics.round, tuple(parts))
 
     def sparse_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_attention(*args)
-
-    def merge_picked_part(self, *args) -> torch.Tensor:
-        return merge_picked_part(*args)
 
     def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
         if o.shape[0] * o.shape[1] == 1:  # one token: each group's weight meets one row, see matmul_unshared
@@ -258,7 +259,7 @@ class ReferenceAttentionKernels(AttentionKernels):
     """The reference kernel's numerics: one KV list [window | compressed] and index list in the reference's order
     (where its layout applies: not in the dense indexer warm-up), the bf16 output einsum."""
 
-    picked_in_place = False
+    in_place = False
 
     def attend(self, attn: "Attention", q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                view: CompressedView | None, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -295,9 +296,6 @@ class CompiledAttentionKernels(AttentionKernels):
 
     def sparse_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         return compiled(sparse_attention)(*args)
-
-    def merge_picked_part(self, *args) -> torch.Tensor:
-        return compiled(merge_picked_part)(*args)
 
 
 @lru_cache(maxsize=None)

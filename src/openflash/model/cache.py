@@ -56,6 +56,12 @@ class WindowStore(Protocol):
     def planes(self) -> dict[str, torch.Tensor]:
         """The tensors that hold the ring, by name (what a saved prefix cache writes; `from_planes` reads)."""
 
+    def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The partial softmax of queries q [B, S, H, D] at positions [B, S] over the slots within `window` behind
+        each, by a kernel that reads the stored ring: (acc [B, S, H, D], running max [B, S, H], total [B, S, H]) as
+        kernels/triton_attention.py defines them; None where there is none (the caller reads `kv`)."""
+
     def write(self, kv: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None: ...
 
     def select(self, rows: torch.Tensor) -> "WindowStore": ...

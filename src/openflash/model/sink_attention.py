@@ -1,8 +1,8 @@
 """The softmax of CSA2 attention over [sink | window keys | selected compressed entries] (architecture.md §5.10), in
-each form a kernel set of model/attention.py runs: `sparse_attention` (inference, gathered entries),
-`merge_picked_part` (inference, the entries attended in place by a pool kernel), `dense_sparse_attention` (training
-on whole sequences, with its own backward) and the reference kernel's exact numerics (`reference_sparse_attention`,
-over the KV list `reference_window_layout` lays out). K = V throughout: one latent is each entry's key and value."""
+each form a kernel set of model/attention.py runs: `sparse_attention` (inference: the entries gathered, or some
+attended in place by a cache kernel and merged), `dense_sparse_attention` (training on whole sequences, with its
+own backward) and the reference kernel's exact numerics (`reference_sparse_attention`, over the KV list
+`reference_window_layout` lays out). K = V throughout: one latent is each entry's key and value."""
 
 from __future__ import annotations
 
@@ -12,12 +12,18 @@ import torch.nn.functional as F
 # Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
 MAX_FLOOR = -1e30
 
+Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a kernel's partial softmax (kernels/triton_attention.py)
+
 
 def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
                      selected_kv: torch.Tensor, selected_mask: torch.Tensor, sink: torch.Tensor,
-                     scale: float, round_fn) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, round_fn, parts: tuple[Part, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,S,H,D] over window keys [B,L,D] (mask [B,S,L]) and selected compressed entries
-    [B,S,K,D] (mask [B,S,K]), K = V, with a per-head sink logit only in the denominator (§5.10).
+    [B,S,K,D] (mask [B,S,K]), K = V, with a per-head sink logit only in the denominator (§5.10); and over the
+    entries of `parts`, which a kernel attended where they are stored (kernels/triton_attention.py): each the
+    partial softmax (acc [B,S,H,D], running max m_i [B,S,H], total [B,S,H]) relative to its own max, joined here
+    at the common max m by the factor exp(m_i - m) (flash decoding's split-softmax merge; fp32 numerics only: a
+    part's probabilities are not rounded to bf16).
 
     Returns (output [B,S,H,D], probabilities of the selected entries [B,S,H,K]).
     """
@@ -25,31 +31,20 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torc
     zc = torch.einsum("bshd,bskd->bshk", q, selected_kv) * scale
     zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
     zc = zc.masked_fill(~selected_mask.unsqueeze(2), float("-inf"))
-    m = torch.maximum(torch.maximum(zw.amax(-1), zc.amax(-1) if zc.shape[-1] else zw.amax(-1)),
-                      torch.full((), MAX_FLOOR, device=q.device)).detach()  # a fill, no host-to-device copy
+    m = torch.maximum(zw.amax(-1), zc.amax(-1)) if zc.shape[-1] else zw.amax(-1)  # (L >= 1: the query's own key)
+    for _, part_max, _ in parts:
+        m = torch.maximum(m, part_max)
+    m = torch.maximum(m, torch.full((), MAX_FLOOR, device=q.device)).detach()  # a fill, no host-to-device copy
     pw, pc = torch.exp(zw - m.unsqueeze(-1)), torch.exp(zc - m.unsqueeze(-1))
     denom = pw.sum(-1) + pc.sum(-1) + torch.exp(sink.view(1, 1, -1) - m)
     # The reference kernel casts probabilities to bf16 before the P.V product (quant_and_cache.md §4).
     acc = torch.einsum("bshl,bld->bshd", round_fn(pw), window_kv) + \
         torch.einsum("bshk,bskd->bshd", round_fn(pc), selected_kv)
+    for part_acc, part_max, part_total in parts:
+        rescale = torch.exp(part_max - m)
+        denom = denom + part_total * rescale
+        acc = acc + part_acc * rescale.unsqueeze(-1)
     return round_fn(acc / denom.unsqueeze(-1)), pc / denom.unsqueeze(-1)
-
-
-def merge_picked_part(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
-                      picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sink: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """`sparse_attention`'s output (fp32 numerics: no bf16 rounding) where a kernel attended the selected entries
-    in place (kernels/triton_attention.py): their partial softmax picked = (acc [B,S,H,D], running max m_c
-    [B,S,H], total [B,S,H]) relative to m_c, merged with the window's part and the sink at the common max m
-    (flash decoding's split-softmax merge: each part rescaled by exp(its max - m))."""
-    acc_c, m_c, total_c = picked
-    zw = torch.einsum("bshd,bld->bshl", q, window_kv) * scale
-    zw = zw.masked_fill(~window_mask.unsqueeze(2), float("-inf"))
-    m = torch.maximum(torch.maximum(zw.amax(-1), m_c), torch.full((), MAX_FLOOR, device=q.device))
-    pw, rescale = torch.exp(zw - m.unsqueeze(-1)), torch.exp(m_c - m)
-    denom = pw.sum(-1) + total_c * rescale + torch.exp(sink.view(1, 1, -1) - m)
-    acc = torch.einsum("bshl,bld->bshd", pw, window_kv) + acc_c * rescale.unsqueeze(-1)
-    return acc / denom.unsqueeze(-1)
 
 
 class _DenseSinkAttention(torch.autograd.Function):

@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from openflash import kernels
+
 
 class GroupedStore(Protocol):
     """What a compressed store's rollback and restart rewrite (`rollback_compressed`, `restart_compressed`): its
@@ -144,6 +146,13 @@ class WindowCache:
 
     def planes(self) -> dict[str, torch.Tensor]:
         return {"kv": self.kv, "pos": self.pos}
+
+    def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The ring's part of the attention (WindowStore) by the kernel `kernels.cache_kernel` names, or None."""
+        if kernels.cache_kernel(q.device) is None or self.kv.dtype != torch.float32:
+            return None
+        return kernels.triton_attention.ring_attention(q, positions, self.kv, self.kv, self.pos, window, scale, False)
 
     @classmethod
     def from_planes(cls, planes: dict[str, torch.Tensor]) -> "WindowCache":
