@@ -115,8 +115,10 @@ def _empty_part(q: torch.Tensor) -> Part:
     return q.new_empty(R, H, D), q.new_empty(R, H), q.new_empty(R, H)
 
 
-def _block_k(D: int) -> int:
-    return 32 if D <= 128 else 16  # a [BLOCK_K, D] fp32 tile of entries beside the [16, D] accumulator
+def _tiles(D: int) -> dict[str, int]:
+    """A [BLOCK_K, D] fp32 tile of entries beside q and the accumulator, [16, D] each: at D = 512 that is 24K
+    floats a program, spread over 8 warps (96 registers a thread) rather than spilled from 4."""
+    return {"BLOCK_H": BLOCK_H, "BLOCK_K": 32 if D <= 128 else 16, "num_warps": 4 if D <= 128 else 8}
 
 
 def picked_call(q: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, kv: torch.Tensor,
@@ -129,8 +131,7 @@ def picked_call(q: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor, table:
     if R:
         _PICKED[(R, -(-H // BLOCK_H))](q.float().contiguous(), picks.contiguous(), rows.contiguous(),
                                        table.contiguous(), kv, kv_scale, *part, float(scale), H, picks.shape[1],
-                                       table.shape[1], D=D, BS=kv.shape[1], PACKED=packed, BLOCK_H=BLOCK_H,
-                                       BLOCK_K=_block_k(D))
+                                       table.shape[1], D=D, BS=kv.shape[1], PACKED=packed, **_tiles(D))
     return part
 
 
@@ -144,7 +145,7 @@ def ring_call(q: torch.Tensor, rows: torch.Tensor, qpos: torch.Tensor, kv: torch
     if R:
         _RING[(R, -(-H // BLOCK_H))](q.float().contiguous(), rows.contiguous(), qpos.contiguous(), kv, kv_scale,
                                      pos.contiguous(), *part, float(scale), H, pos.shape[1], window, D=D,
-                                     PACKED=packed, BLOCK_H=BLOCK_H, BLOCK_K=_block_k(D))
+                                     PACKED=packed, **_tiles(D))
     return part
 
 
