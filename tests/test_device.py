@@ -260,6 +260,27 @@ def test_the_engine_replays_its_decode_graphs_across_regroups():
 
 
 @cuda
+@pytest.mark.parametrize("storage", ["fp32", "packed"])
+def test_the_cache_kernels_on_cuda_give_the_logits_of_the_caches_read_out(storage, monkeypatch):
+    """On CUDA the index keys, picked entries and window rings are read in place by the Triton kernels
+    (kernels.cache_kernel): a prefill chunk and decode steps give the logits of the same steps with them read out."""
+    from openflash import kernels
+    from openflash.engine.cache import CacheFactory
+
+    rt = open_model("tiny", numerics="fp32", placement=Placement(device="cuda"))
+    assert kernels.cache_kernel(rt.model.device) == "triton"
+    cache = CacheFactory.create(rt.cfg, storage, 4, device=rt.model.device).empty(2)
+    ids = torch.randint(3, 900, (2, 45), generator=torch.Generator().manual_seed(8))
+    rt.step(ids, cache)
+    twin = cache.select([0, 1])
+    chunk, tokens = ids[:, :6], torch.tensor([5, 6])
+    got = [rt.step(chunk, cache), rt.decode(tokens, cache), rt.decode(tokens, cache)]
+    monkeypatch.setattr(kernels, "cache_kernel", lambda device: None)
+    want = [rt.step(chunk, twin), rt.decode(tokens, twin), rt.decode(tokens, twin)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-4)
+
+
+@cuda
 @pytest.mark.parametrize("numerics", ["fp32", "reference"])
 def test_parity_on_cuda(numerics):
     from openflash.tools.parity import run_golden
