@@ -267,7 +267,8 @@ def test_the_kernel_choice_is_named(monkeypatch):
 
 
 def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
-    """kernels.product_kernel, the one answer every caller (layers, MoE, decode graph, --weights auto) asks."""
+    """kernels.product_kernel, the one answer every caller (layers, MoE, decode graph, --weights auto) asks; and
+    OPENFLASH_KERNELS=0 turns every kernel off, the Triton ones on CUDA too."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [kernels.product_kernel(cpu, f, 16) for f in ("fp8", "fp4", "bf16")] == ["native"] * 3
     assert kernels.product_kernel(cpu, "fp8", native.MAX_ROWS + 1) is None  # a prefill: dequantized tiles
@@ -278,13 +279,18 @@ def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
     assert kernels.product_kernel(cuda, "bf16", 1) is None
     assert kernels.experts_kernel(cuda, "fp4") == ("triton" if triton else None)
     assert kernels.experts_kernel(cuda, "fp8") is None
+    assert kernels.cache_kernel(cuda) == ("triton" if triton else None) and kernels.cache_kernel(cpu) is None
     x, w = torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.uint8)
     assert kernels.serves(x, w, "fp8") and not kernels.serves(x[:, :48], w[:, :48], "fp8")  # K not whole blocks
     assert not kernels.serves(x, w.t().contiguous().t(), "fp8")  # a strided weight
     monkeypatch.setenv("OPENFLASH_KERNELS", "0")
     native.status.cache_clear()
+    kernels.triton_on.cache_clear()
     try:
         assert kernels.product_kernel(cpu, "fp8", 1) is None
+        assert (kernels.product_kernel(cuda, "fp4", 1), kernels.experts_kernel(cuda, "fp4"),
+                kernels.cache_kernel(cuda)) == (None, None, None)
     finally:
         monkeypatch.undo()
         native.status.cache_clear()
+        kernels.triton_on.cache_clear()

@@ -9,6 +9,9 @@ Whether a kernel serves a product is answered here and only here (`product_kerne
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+
 import torch
 
 from openflash.kernels import native, triton_attention, triton_experts, triton_index, triton_products
@@ -17,13 +20,21 @@ NATIVE_FORMATS = ("fp8", "fp4", "bf16")  # what the CPU kernels read as stored
 TRITON_FORMATS = ("fp8", "fp4")
 
 
+@lru_cache(maxsize=None)
+def triton_on() -> bool:
+    """Whether the Triton kernels serve CUDA tensors: Triton importable, and OPENFLASH_KERNELS not 0 (which turns
+    every kernel off, native and Triton: the PyTorch path everywhere, e.g. to rule a kernel out). Read once a
+    process; a test that sets the variable clears this cache, as native.status's."""
+    return triton_products.available() and os.environ.get("OPENFLASH_KERNELS", "1") != "0"
+
+
 def product_kernel(device: torch.device, stored: str | None, rows: int) -> str | None:
     """Which kernel multiplies `rows` activation rows on `device` by a weight kept as stored in format `stored`
     (fp8, fp4, bf16; None: an fp32 weight, no kernel): "native" (the CPU, the kernels built here, at most
     native.MAX_ROWS rows), "triton" (CUDA, FP8 or FP4, any rows, Triton importable), or None (the PyTorch path)."""
     if device.type == "cpu" and stored in NATIVE_FORMATS and rows <= native.MAX_ROWS and native.available():
         return "native"
-    if device.type == "cuda" and stored in TRITON_FORMATS and triton_products.available():
+    if device.type == "cuda" and stored in TRITON_FORMATS and triton_on():
         return "triton"
     return None
 
@@ -44,7 +55,7 @@ def experts_kernel(device: torch.device, stored: str | None) -> str | None:
         return None
     if device.type == "cpu" and native.available():
         return "native"
-    if device.type == "cuda" and triton_products.available():
+    if device.type == "cuda" and triton_on():
         return "triton"
     return None
 
@@ -53,8 +64,8 @@ def cache_kernel(device: torch.device) -> str | None:
     """Which kernels read a cache's stored planes in place, on `device`: "triton" on CUDA (triton_index.py scores
     the index keys in the engine's pool, triton_attention.py attends the picked entries there and the window
     rings), else None (keys, entries and rings are read out, then scored and attended by the numerics' own ops)."""
-    return "triton" if device.type == "cuda" and triton_products.available() else None
+    return "triton" if device.type == "cuda" and triton_on() else None
 
 
-__all__ = ["product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
+__all__ = ["triton_on", "product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
            "triton_experts", "triton_index", "triton_products"]
