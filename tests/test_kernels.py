@@ -294,3 +294,26 @@ def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
         monkeypatch.undo()
         native.status.cache_clear()
         kernels.triton_on.cache_clear()
+
+
+def test_the_kernels_module_says_which_kernels_run_here(monkeypatch, capsys):
+    """`python -m openflash.kernels`: the native kernels' state and the Triton ones', each turned off by
+    OPENFLASH_KERNELS=0."""
+    from openflash.kernels.__main__ import main
+
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("openflash kernels: ") and "Triton kernels: " in out
+    monkeypatch.setenv("OPENFLASH_KERNELS", "0")
+    native.status.cache_clear()
+    kernels.triton_on.cache_clear()
+    try:
+        assert main() == 0
+        out = capsys.readouterr().out
+        assert "not available: turned off by OPENFLASH_KERNELS=0" in out
+        if kernels.triton_products.available():
+            assert "Triton kernels: turned off by OPENFLASH_KERNELS=0" in out
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()
+        kernels.triton_on.cache_clear()
