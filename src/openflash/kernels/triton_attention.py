@@ -32,6 +32,18 @@ BLOCK_H = 16  # heads a program (tl.dot's smallest side; fewer heads are masked)
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (acc [.., H, D], running max [.., H], total [.., H])
 
 
+def _start(Q, H, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """A program's query row r64, its heads h (h_ok: below H), the columns d, q [BLOCK_H, D] (0 past H) and the empty
+    running state (m, total, acc): m starts at the floor of model/sink_attention.py, so no entry gives 0, not NaN."""
+    r64 = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, D)
+    q = tl.load(Q + (r64 * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None], other=0.0)
+    m = tl.full((BLOCK_H,), -1e30, tl.float32)
+    return r64, h, h_ok, d, q, m, tl.zeros((BLOCK_H,), dtype=tl.float32), tl.zeros((BLOCK_H, D), dtype=tl.float32)
+
+
 def _online_update(q, kv, ok, m, total, acc, scale):
     """One tile of entries kv [BLOCK_K, D] (ok: which count) into the running (m, total, acc) of q [BLOCK_H, D]."""
     kv = tl.where(ok[:, None], kv, 0.0)
@@ -52,15 +64,8 @@ def _store_part(ACC, MAX, TOTAL, r64, h, h_ok, d, m, total, acc, H, D: tl.conste
 
 def _picked_kernel(Q, PICKS, ROWS, TABLE, KV, KV_SCALE, ACC, MAX, TOTAL, scale, H, K, table_width, D: tl.constexpr,
                    BS: tl.constexpr, PACKED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    r64 = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    d = tl.arange(0, D)
-    q = tl.load(Q + (r64 * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None], other=0.0)
+    r64, h, h_ok, d, q, m, total, acc = _start(Q, H, BLOCK_H, D)
     row = tl.load(ROWS + r64)
-    m = tl.full((BLOCK_H,), -1e30, tl.float32)  # the floor of model/sink_attention.py: no entry gives 0, not NaN
-    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         pick = tl.load(PICKS + r64 * K + kk, mask=kk < K, other=-1)
@@ -80,16 +85,9 @@ def _picked_kernel(Q, PICKS, ROWS, TABLE, KV, KV_SCALE, ACC, MAX, TOTAL, scale, 
 
 def _ring_kernel(Q, ROWS, QPOS, KV, KV_SCALE, POS, ACC, MAX, TOTAL, scale, H, slots, window, D: tl.constexpr,
                  PACKED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    r64 = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    d = tl.arange(0, D)
-    q = tl.load(Q + (r64 * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None], other=0.0)
+    r64, h, h_ok, d, q, m, total, acc = _start(Q, H, BLOCK_H, D)
     row = tl.load(ROWS + r64)
     qpos = tl.load(QPOS + r64)
-    m = tl.full((BLOCK_H,), -1e30, tl.float32)
-    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
     for k0 in range(0, slots, BLOCK_K):
         slot = k0 + tl.arange(0, BLOCK_K)
         pos = tl.load(POS + row * slots + slot, mask=slot < slots, other=-1)
@@ -105,7 +103,7 @@ def _ring_kernel(Q, ROWS, QPOS, KV, KV_SCALE, POS, ACC, MAX, TOTAL, scale, H, sl
 
 
 if triton is not None:
-    _online_update, _store_part = triton.jit(_online_update), triton.jit(_store_part)
+    _start, _online_update, _store_part = triton.jit(_start), triton.jit(_online_update), triton.jit(_store_part)
 _PICKED = triton.jit(_picked_kernel) if triton is not None else None
 _RING = triton.jit(_ring_kernel) if triton is not None else None
 
