@@ -321,3 +321,6 @@ def test_ring_attention_matches_the_ring_read_out(storage: str, D: int, device: 
     with pytest.raises(ValueError, match="ring planes"):
         ring_attention(q.to(device), positions.to(device), kv[:, :, :32], scales, ring.pos, window, scale,
                        storage == "packed")
+    with pytest.raises(ValueError, match="slot positions must be int64"):
+        ring_attention(q.to(device), positions.to(device), kv, scales, ring.pos.int(), window, scale,
+                       storage == "packed")

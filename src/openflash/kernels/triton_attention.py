@@ -205,9 +205,11 @@ def ring_attention(q: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, k
     D = q.shape[-1]
     ring = tuple(pos.shape)
     problems = _check(q, "ring planes", kv, kv_scale, (*ring, D), (*ring, D // 32) if packed else None)
-    if pos.dim() != 2 or pos.shape[0] != q.shape[0] or tuple(positions.shape) != tuple(q.shape[:2]):
-        problems.append(f"slot positions must be [B, W] and query positions [B, S] beside q {tuple(q.shape)}; got "
-                        f"{tuple(pos.shape)} and {tuple(positions.shape)}")
+    if pos.dim() != 2 or pos.shape[0] != q.shape[0] or tuple(positions.shape) != tuple(q.shape[:2]) or \
+            pos.dtype != torch.long or positions.dtype != torch.long:
+        problems.append(f"slot positions must be int64 [B, W] and query positions int64 [B, S] beside q "
+                        f"{tuple(q.shape)}; got {pos.dtype} {tuple(pos.shape)} and {positions.dtype} "
+                        f"{tuple(positions.shape)}")
     if problems:
         raise ValueError("ring_attention: " + "; ".join(problems))
     B, S, H, _ = q.shape
