@@ -184,9 +184,9 @@ def picked_attention(q: torch.Tensor, picks: torch.Tensor, table: torch.Tensor, 
     if picks.dim() != 3 or tuple(picks.shape[:2]) != tuple(q.shape[:2]) or picks.dtype != torch.long:
         problems.append(f"picks must be int64 [B, S, K] beside q {tuple(q.shape)}, got {picks.dtype} "
                         f"{tuple(picks.shape)}")
-    if kv.dim() != 3 or table.dim() != 2 or table.shape[0] != q.shape[0]:
-        problems.append(f"the pool's planes must be [blocks, entries, width] and the block table [B, blocks]; got "
-                        f"{tuple(kv.shape)} and {tuple(table.shape)}")
+    if kv.dim() != 3 or table.dim() != 2 or table.shape[0] != q.shape[0] or table.dtype != torch.long:
+        problems.append(f"the pool's planes must be [blocks, entries, width] and the block table int64 [B, blocks]; "
+                        f"got {tuple(kv.shape)} and {table.dtype} {tuple(table.shape)}")
     if problems:
         raise ValueError("picked_attention: " + "; ".join(problems))
     B, S, H, _ = q.shape
