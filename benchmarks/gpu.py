@@ -10,7 +10,8 @@ skipped and says so):
 - kernels (gpu_kernels.py): the Triton kernels at released shapes beside the PyTorch paths they replace: products
   on stored FP8 / MXFP4 weights, a MoE layer's routed experts in one call, the indexer's scores and a decode step's
   attention (window ring and picked entries) read in place from the packed cache;
-- parity: every golden on the device, teacher-forced, in fp32 and reference numerics (failing keys named);
+- parity: every golden on the device, teacher-forced, in fp32 and reference numerics, the weights dequantized and
+  as stored (failing keys named);
 - decode: `small`, batch 1, 512-token prompt: eager, compiled (one graph) and compiled replayed as a CUDA graph;
 - engine: `small` under LLMEngine at 1, 16 and 64 clients (128-token prompts, 64 tokens each), CUDA graphs;
 - train: `small`, batch 16 x 512, fp32 and bf16 autocast: tokens/s and model FLOP utilization against the matmul
@@ -123,12 +124,16 @@ def hardware(b: Bench) -> dict[str, float]:
 
 
 def parity(b: Bench) -> dict[str, Any]:
+    """`openflash parity` on the device: every golden, both numerics, the weights dequantized and as stored (the
+    Triton products, experts and cache kernels)."""
     out = {}
-    for numerics in ("fp32", "reference"):
-        for golden in GOLDENS:
-            failed = [c for c in run_golden(golden, numerics, device=str(b.device)) if not c.passed]
-            out[f"{Path(golden).name}/{numerics}"] = "PASS" if not failed else \
-                {"failed": len(failed), "keys": [f"{c.key} max|d|={c.max_abs:.2e}" for c in failed[:6]]}
+    for weights in ("dequantized", "stored"):
+        for numerics in ("fp32", "reference"):
+            for golden in GOLDENS:
+                failed = [c for c in run_golden(golden, numerics, weights=weights, device=str(b.device))
+                          if not c.passed]
+                out[f"{Path(golden).name}/{numerics}/{weights}"] = "PASS" if not failed else \
+                    {"failed": len(failed), "keys": [f"{c.key} max|d|={c.max_abs:.2e}" for c in failed[:6]]}
     return out
 
 
@@ -327,7 +332,7 @@ def main() -> int:
         print("benchmarks/gpu.py needs a CUDA device (--dry-run checks it on the CPU)", file=sys.stderr)
         return 2
     b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run, Path(args.out))
-    sections = [("hardware", 5, hardware), ("kernels", 30, kernels), ("parity", 40, parity), ("decode", 90, decode),
+    sections = [("hardware", 5, hardware), ("kernels", 30, kernels), ("parity", 60, parity), ("decode", 90, decode),
                 ("released", 150, lambda bb: released(bb, Path(args.cut_dir))), ("engine", 90, engine),
                 ("train", 30, train)]
     for name, needs, fn in sections:

@@ -282,11 +282,12 @@ def test_the_cache_kernels_on_cuda_give_the_logits_of_the_caches_read_out(storag
 
 @cuda
 @pytest.mark.parametrize("numerics", ["fp32", "reference"])
-def test_parity_on_cuda(numerics):
+@pytest.mark.parametrize("weights", ["dequantized", "stored"])
+def test_parity_on_cuda(numerics, weights):
     from openflash.tools.parity import run_golden
 
     for golden in ("tests/goldens/A", "tests/goldens/A2", "tests/goldens/B2", "tests/goldens/D"):
-        failed = [c.key for c in run_golden(golden, numerics, device="cuda") if not c.passed]
+        failed = [c.key for c in run_golden(golden, numerics, weights=weights, device="cuda") if not c.passed]
         assert not failed, (golden, failed[:5])
 
 
