@@ -6,8 +6,9 @@ the picked entries' KV (CompressedView reads lazily), side by side in one run.
 Three measurements, the variants alternating round by round:
 - store: one owner layer's paged cache in the engine's packed storage at the released widths (head_dim 512, index
   keys 128, ratio 4, index_topk 512, one row): `read` of every entry against `read_index` + `gather` of the top-k;
-- top-k: one query's picks among the same entries (k 512): two sorts (`top_entries`, the rule as stated) against
-  the selection every policy runs (`top_entries_select`, the same picks);
+- top-k: one query's picks among the same entries (k 512): two sorts (`top_entries`, the rule as stated), the
+  threshold selection of 2026-12-05 and the keyed selection every policy runs now (`top_entries_select`), the
+  same picks;
 - model: `small` (head_dim 64, index keys 64, index_topk 16) with the engine's packed paged cache, a decode step
   after a prompt of each length, the lazy view against one whose KV is read whole (as every step did before).
 
@@ -64,13 +65,31 @@ def store_reads(context: int, rounds: int) -> dict[str, float]:
                        "picked_ms": lambda: (store.read_index(n), store.gather(picks))}, rounds)
 
 
+def _threshold_select(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
+    """The selection before the keyed one (2026-12-05): the k-th score as a threshold, the entries above it, then
+    the smallest ids among those equal to it, ranked by a second top-k. The same picks (tests/test_trainer.py
+    checks the keyed one against the sorts)."""
+    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
+    above, tied = scores > threshold, scores == threshold
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= k - above.sum(-1, keepdim=True)))
+    T = scores.shape[-1]
+    picks = T - torch.topk(torch.where(chosen, torch.arange(T, 0, -1), 0), k, dim=-1).values
+    return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
+
+
 def top_k(context: int, rounds: int) -> dict[str, float]:
-    """One query's top-512 among context / 4 entries: the two sorts against the selection."""
+    """One query's top-512 among context / 4 entries: the two sorts, the threshold selection and the keyed one
+    every policy runs now."""
     n = context // 4
     scores = torch.randn(1, 1, n, generator=torch.Generator().manual_seed(1))
     visible = torch.tensor([[n]])
-    return _alternate({"sorts_ms": lambda: top_entries(scores, min(512, n), visible),
-                       "selection_ms": lambda: top_entries_select(scores, min(512, n), visible)}, rounds)
+    k = min(512, n)
+    want = top_entries(scores, k, visible)
+    assert torch.equal(_threshold_select(scores, k, visible), want)
+    assert torch.equal(top_entries_select(scores, k, visible), want)
+    return _alternate({"sorts_ms": lambda: top_entries(scores, k, visible),
+                       "threshold_ms": lambda: _threshold_select(scores, k, visible),
+                       "selection_ms": lambda: top_entries_select(scores, k, visible)}, rounds)
 
 
 def model_decode(contexts: list[int], rounds: int) -> dict[str, dict[str, float]]:

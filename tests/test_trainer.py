@@ -201,6 +201,8 @@ def test_fused_training_forward_matches_unfused(dataset: Path) -> None:
 
 
 def test_top_entries_select_matches_sorting() -> None:
+    """Many ties (-0.0 and +0.0 among them, which the sorts find equal), -inf entries, and a long row (ids past
+    2^16): the selection's picks are the two sorts'."""
     from openflash.model.indexer import top_entries, top_entries_select
 
     gen = torch.Generator().manual_seed(0)
@@ -208,9 +210,13 @@ def test_top_entries_select_matches_sorting() -> None:
         T = int(torch.randint(1, 40, (1,), generator=gen))
         k = int(torch.randint(1, T + 1, (1,), generator=gen))
         scores = torch.randint(-3, 4, (2, 5, T), generator=gen).float()  # many ties
+        scores = scores * (torch.randint(0, 2, scores.shape, generator=gen) * 2 - 1)  # zeros of both signs
         scores[torch.rand(2, 5, T, generator=gen) < 0.3] = float("-inf")
         n_visible = torch.randint(0, T + 1, (2, 5), generator=gen)
         assert torch.equal(top_entries(scores, k, n_visible), top_entries_select(scores, k, n_visible))
+    scores = torch.randn(1, 2, 100_000, generator=gen).round(decimals=1)
+    n_visible = torch.tensor([[100_000, 70_000]])
+    assert torch.equal(top_entries(scores, 512, n_visible), top_entries_select(scores, 512, n_visible))
 
 
 def test_thread_tuner_follows_step_times() -> None:

@@ -42,20 +42,19 @@ def top_entries(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.
 
 
 def top_entries_select(scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
-    """`top_entries` without sorting whole rows (the same picks, ties included): everything above the k-th
-    largest score, then the smallest ids among the entries equal to it. A long context's decode step picks from
-    every compressed entry at each indexer: 8x faster than the sorts over 262K entries on the CPU
-    (docs/benchmarks.md, benchmarks/long_context_reads.py)."""
-    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
-    above = scores > threshold
-    tied = scores == threshold
-    room = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
-    # The k chosen ids ascending without a data-dependent shape (nonzero would break a compiled graph): rank them
-    # by T - id, largest first.
+    """`top_entries` without sorting whole rows (the same picks, ties included): one top-k over a key per entry that
+    orders by score, then by smaller id, so the k it selects are the rule's. The key is the score's bits made
+    order-preserving as an int32 (negative floats have their magnitude bits flipped; -0.0 becomes +0.0 first, as
+    the sorts find them equal) above the id's complement. A long context's decode step picks from every
+    compressed entry at each indexer: over 262K entries on the CPU 1.25x faster than the earlier threshold-and-ties
+    selection and 9x faster than the sorts (docs/benchmarks.md, benchmarks/long_context_reads.py); on a GPU one
+    top-k and a sort of k ids instead of two top-ks, a cumulative sum and five other passes over every score."""
     T = scores.shape[-1]
-    rank = torch.where(chosen, torch.arange(T, 0, -1, device=scores.device), 0)
-    picks = T - torch.topk(rank, k, dim=-1).values
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    key = (ordered << 32) | (T - 1 - torch.arange(T, device=scores.device))
+    top = torch.topk(key, k, dim=-1).values
+    picks = torch.sort(T - 1 - (top & 0xFFFFFFFF), dim=-1).values  # the k ids, ascending
     return torch.where(picks < n_visible.unsqueeze(-1), picks, torch.full_like(picks, -1))
 
 
