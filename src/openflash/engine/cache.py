@@ -29,6 +29,7 @@ import torch
 from openflash import formats, kernels
 from openflash.config import FlashConfig
 from openflash.engine.block_pool import BlockPool, EntryLayout
+from openflash.kernels.triton_attention import Part
 from openflash.model.cache import ModelCache, draft_rings
 from openflash.model.stores import (InputHistory, WindowCache, concat_inputs, masked_put, restart_compressed,
                                     rollback_compressed, row_of)
@@ -162,7 +163,7 @@ class PagedCompressedCache:
         return scores.view(B, S, n)
 
     def picked_attention(self, q: torch.Tensor, picks: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                         scale: float) -> Part | None:
         """The partial softmax over the picked entries (CompressedStore), from the pool's main-KV planes by the
         kernel `kernels.cache_kernel` names (never a gathered fp32 copy of the entries); None where there is none."""
         if kernels.cache_kernel(q.device) is None:
@@ -305,7 +306,7 @@ class PackedWindowCache:
         return formats.decode_window_fp8(self.codes, self.scales)
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+               scale: float) -> Part | None:
         """The ring's part of the attention (WindowStore), its codes decoded in registers where a kernel reads them."""
         if kernels.cache_kernel(q.device) is None:
             return None

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from openflash.config import FlashConfig
+from openflash.kernels.triton_attention import Part
 from openflash.model.stores import CompressedCache, InputHistory, WindowCache, nbytes_of, pad_cat, select_rows
 from openflash.topology import LayerMode
 
@@ -57,7 +58,7 @@ class WindowStore(Protocol):
         """The tensors that hold the ring, by name (what a saved prefix cache writes; `from_planes` reads)."""
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+               scale: float) -> Part | None:
         """The partial softmax of queries q [B, S, H, D] at positions [B, S] over the slots within `window` behind
         each, by a kernel that reads the stored ring: (acc [B, S, H, D], running max [B, S, H], total [B, S, H]) as
         kernels/triton_attention.py defines them; None where there is none (the caller reads `kv`)."""
@@ -107,7 +108,7 @@ class CompressedStore(Protocol):
         where the store has none (the caller reads the keys and scores them)."""
 
     def picked_attention(self, q: torch.Tensor, picks: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                         scale: float) -> Part | None:
         """The partial softmax of queries q [B, S, H, D] over the entries picks [B, S, k] names (-1 = none), by a
         kernel that reads the stored entries: (acc [B, S, H, D], running max [B, S, H], total [B, S, H]) as
         kernels/triton_attention.py defines them; None where the store has none (the caller gathers the entries)."""

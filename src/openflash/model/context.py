@@ -15,6 +15,7 @@ from typing import Iterator, Mapping, Protocol
 import torch
 from torch import nn
 
+from openflash.kernels.triton_attention import Part
 from openflash.model.cache import CompressedStore, ModelCache
 from openflash.model.numerics import Numerics
 from openflash.model.stores import row_of
@@ -92,7 +93,7 @@ class CompressedView:
         return self.store.index_scores(q, w, self.size)
 
     def stored_attention(self, q: torch.Tensor, picks: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                         scale: float) -> Part | None:
         """The partial softmax over the picked entries by the store's own kernel (CompressedStore.picked_attention),
         or None (no store, the entries already read, or no kernel there)."""
         if self.store is None or self._kv is not None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openflash.kernels.triton_attention import Part  # a kernel's partial softmax: (acc, running max, total)
+
 # Finite floor of the running max: an all-absent row gives 0 instead of NaN (quant_and_cache.md §4).
 MAX_FLOOR = -1e30
-
-Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a kernel's partial softmax (kernels/triton_attention.py)
 
 
 def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,

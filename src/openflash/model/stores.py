@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from openflash import kernels
+from openflash.kernels.triton_attention import Part
 
 
 class GroupedStore(Protocol):
@@ -148,7 +149,7 @@ class WindowCache:
         return {"kv": self.kv, "pos": self.pos}
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, window: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+               scale: float) -> Part | None:
         """The ring's part of the attention (WindowStore) by the kernel `kernels.cache_kernel` names, or None."""
         if kernels.cache_kernel(q.device) is None or self.kv.dtype != torch.float32:
             return None
