@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--moe-experts", type=int, default=48, help="experts of the layer timed (0: skip)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = ap.parse_args()
+    if os.environ.get("OPENFLASH_KERNELS", "1") != "1":
+        raise SystemExit(f"OPENFLASH_KERNELS={os.environ['OPENFLASH_KERNELS']}: this benchmark picks the instruction "
+                         f"sets itself (the best here, with AVX2 beside it); run it with the variable unset")
     if not native.status().available:
         raise SystemExit(f"no native kernels here: {native.status().reason}")
     torch.set_num_threads(args.threads)
