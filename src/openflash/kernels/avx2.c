@@ -10,8 +10,11 @@
 
 #include "kernels.h"
 
-/* Weight bytes ahead of the decoder a software prefetch asks for (as avx512.c). */
+/* Weight bytes ahead of the decoder a software prefetch asks for (as avx512.c): 1 KiB for FP4, twice that for
+ * FP8 and bf16 (the same weights ahead). Every product prefetches: on a 2-core Xeon (a VM) the one-row FP8 product
+ * took 1.55 ms without it and 0.73 ms with it, two rows 2.96 and 0.80 (docs/benchmarks.md). */
 #define PREFETCH_BYTES 1024
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
 AVX2 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -93,6 +96,7 @@ AVX2 INLINE void fp4_row(const uint8_t *wrow, const uint8_t *srow, const float *
     for (int j = 0; j < CHUNK; j++) acc[j] = _mm256_setzero_ps();
     int g = 0;
     for (; g + 2 <= K / 32; g += 2) {
+        PREFETCH(wrow + 16 * g + PREFETCH_BYTES);
         SCALED_PRODUCT(fp4_group(wrow + 16 * g, w_), nr, x, K, acc, g, UE8M0[srow[g]], 0);
         SCALED_PRODUCT(fp4_group(wrow + 16 * (g + 1), w_), nr, x, K, acc, g + 1, UE8M0[srow[g + 1]], 1);
     }
@@ -138,7 +142,7 @@ AVX2 INLINE __m256 fp4_int_sums(__m256i w, const uint8_t *planes) {
 
 AVX2 INLINE __m256 fp4_int_group(const uint8_t *wrow, const uint8_t *srow, const uint8_t *planes, const float *xs,
                                  int g, __m256 acc) {
-    _mm_prefetch((const char *)(wrow + 16 * g + PREFETCH_BYTES), _MM_HINT_T0);
+    PREFETCH(wrow + 16 * g + PREFETCH_BYTES);
     const __m256 v = _mm256_mul_ps(fp4_int_sums(fp4_int_weights(wrow + 16 * g), planes + (size_t)g * 128),
                                    _mm256_set1_ps(xs[g]));
     return _mm256_fmadd_ps(v, _mm256_set1_ps(UE8M0[srow[g]]), acc);
@@ -187,6 +191,7 @@ AVX2 INLINE void fp8_row(const uint8_t *wrow, const uint8_t *srow, const float *
 #define FP8_GROUP(g) fp8_16(wrow + 32 * (g), &w_[0], &w_[1]), fp8_16(wrow + 32 * (g) + 16, &w_[2], &w_[3])
     int g = 0;
     for (; g + 2 <= K / 32; g += 2) {
+        PREFETCH(wrow + 32 * g + 2 * PREFETCH_BYTES);
         SCALED_PRODUCT(FP8_GROUP(g), nr, x, K, acc, g, UE8M0[srow[g]], 0);
         SCALED_PRODUCT(FP8_GROUP(g + 1), nr, x, K, acc, g + 1, UE8M0[srow[g + 1]], 1);
     }
@@ -212,6 +217,7 @@ AVX2 INLINE void bf16_row(const uint16_t *wrow, const float *x, int K, int nr, f
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 16 <= K; k += 16) {
+        PREFETCH(wrow + k + PREFETCH_BYTES);  /* 2 KiB ahead: bf16 elements are 2 bytes */
         __m256 w0 = bf16_8(wrow + k), w1 = bf16_8(wrow + k + 8);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + (size_t)r * K + k;
