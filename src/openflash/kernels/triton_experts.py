@@ -24,7 +24,7 @@ import torch
 
 from openflash import formats
 from openflash.kernels.native import BLOCK, dispatch
-from openflash.kernels.triton_products import (block_dot, e2m1_values, fp4_codes, register_op, tl, triton,
+from openflash.kernels.triton_products import (e2m1_values, fp4_codes, register_op, rows_product, tl, triton,
                                               ue8m0_values)
 
 PARTS = ("w1", "s1", "w3", "s3", "w2", "s2")  # the rows of an address table
@@ -103,17 +103,7 @@ def _tile_kernel(X, XS, ROWS, TABLES, PART, TILE_EXPERT, TILE_START, TILE_END, Y
     n64 = n.to(tl.int64)
     W = tl.load(TABLES + (2 * PART) * E + e).to(tl.pointer_type(tl.uint8))
     WS = tl.load(TABLES + (2 * PART + 1) * E + e).to(tl.pointer_type(tl.uint8))
-    j = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, K // 32):
-        k = b * 32 + j
-        x = tl.load(X + row[:, None] * K + k[None, :], mask=m_ok[:, None], other=0.0)
-        w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, K))
-        ws = ue8m0_values(tl.load(WS + n64 * (K // 32) + b, mask=n_ok, other=127))
-        part = block_dot(x, w, IEEE)
-        if HAS_XS:
-            part = part * tl.load(XS + row * (K // 32) + b, mask=m_ok, other=1.0)[:, None]
-        acc += part * ws[None, :]
+    acc = rows_product(X, XS, row, m_ok, W, WS, n64, n_ok, K, True, HAS_XS, IEEE, BLOCK_M, BLOCK_N)
     tl.store(Y + m.to(tl.int64)[:, None] * N + n64[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 

@@ -78,17 +78,16 @@ def block_dot(x, w, IEEE: tl.constexpr):
     return tl.dot(x, tl.trans(w), input_precision="tf32")
 
 
-def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: tl.constexpr, IEEE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def rows_product(X, XS, rows, m_ok, W, WS, n64, n_ok, K, FP4: tl.constexpr, HAS_XS: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile x[rows] W[n]^T of the module doc's formula: activation rows `rows` (int64; m_ok
+    which are real) of X [*, K] fp32 (XS their scales per 32, with HAS_XS), weight rows n64 (n_ok) of W / WS (FP4
+    or FP8 bytes and UE8M0 scales). Shared by this module's products and triton_experts.py's expert tiles."""
     j = tl.arange(0, 32)
-    m_ok, n_ok = m < M, n < N
-    m64, n64 = m.to(tl.int64), n.to(tl.int64)  # released widths: offsets past 2^31 bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, K // 32):
         k = b * 32 + j
-        x = tl.load(X + m64[:, None] * K + k[None, :], mask=m_ok[:, None], other=0.0)
+        x = tl.load(X + rows[:, None] * K + k[None, :], mask=m_ok[:, None], other=0.0)
         if FP4:
             w = e2m1_values(fp4_codes(W, tl.where(n_ok, n64, 0), k, K))
             ws_byte = tl.load(WS + n64 * (K // 32) + b, mask=n_ok, other=127)
@@ -98,15 +97,25 @@ def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: 
         ws = ue8m0_values(ws_byte)
         part = block_dot(x, w, IEEE)
         if HAS_XS:
-            part = part * tl.load(XS + m64 * (K // 32) + b, mask=m_ok, other=1.0)[:, None]
+            part = part * tl.load(XS + rows * (K // 32) + b, mask=m_ok, other=1.0)[:, None]
         acc += part * ws[None, :]
+    return acc
+
+
+def _stored_product_kernel(X, XS, W, WS, Y, M, N, K, FP4: tl.constexpr, HAS_XS: tl.constexpr, IEEE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    m64, n64 = m.to(tl.int64), n.to(tl.int64)  # released widths: offsets past 2^31 bytes
+    acc = rows_product(X, XS, m64, m_ok, W, WS, n64, n_ok, K, FP4, HAS_XS, IEEE, BLOCK_M, BLOCK_N)
     tl.store(Y + m64[:, None] * N + n64[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 if triton is not None:
     e2m1_values, fp4_codes = triton.jit(e2m1_values), triton.jit(fp4_codes)
     ue8m0_values, block_dot = triton.jit(ue8m0_values), triton.jit(block_dot)
-    e4m3_values = triton.jit(e4m3_values)
+    e4m3_values, rows_product = triton.jit(e4m3_values), triton.jit(rows_product)
 _KERNEL = triton.jit(_stored_product_kernel) if triton is not None else None
 
 
