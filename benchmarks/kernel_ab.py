@@ -3,6 +3,7 @@ libraries take turns round by round on the same products (benchmarks/kernels.py'
 caches), so a change to the C code is measured against its predecessor on the same machine at the same time.
 
     python benchmarks/kernel_ab.py --against REV [--isa avx2|avx2-float|1] [--rows 1 4 16] [--threads 2] [--rounds 3]
+        [--formats fp4 fp8 bf16]
 
 The other revision's kernel sources (src/openflash/kernels/*.c, kernels.h) are read with `git show` and compiled
 with this checkout's flags into a temporary folder. Prints ms and the share of a read-bandwidth probe for each, and
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--formats", nargs="+", default=["fp4", "fp8", "bf16"], choices=["fp4", "fp8", "bf16"],
+                    help="only the shapes stored in these formats")
     args = ap.parse_args()
     os.environ["OPENFLASH_KERNELS"] = args.isa
     torch.set_num_threads(args.threads)
@@ -68,7 +71,7 @@ def main() -> None:
         probe = read_bandwidth()
         print(f"{args.threads} threads, OPENFLASH_KERNELS={args.isa}, read probe {probe / 1e9:.1f} GB/s", flush=True)
         g = torch.Generator().manual_seed(0)
-        for name, fmt, n, k in SHAPES:
+        for name, fmt, n, k in (shape for shape in SHAPES if shape[1] in args.formats):
             first = stored_linear(fmt, n, k, g)
             copies = max(2, WORKING_SET // stored_bytes(first))
             lins = [first] + [stored_linear(fmt, n, k, g) for _ in range(copies - 1)]

@@ -76,33 +76,69 @@ AVX2 void qdq_activations(const float *x, float *out, int rows, int K) {
     }
 }
 
-/* avx2.c's integer FP4 products read each 32-group of a QDQ'd row as |E4M3 value| * 512 (an integer below 2^18)
- * in three 6-bit planes, VPMADDUBSW's unsigned operand, and its sign (+1, -1, 0) in a fourth, byte p holding
- * element 2p (p < 16) or 2 (p - 16) + 1 (the decoder's order); the row's scales / 1024 (for the 512 and the weights'
- * factor of 2) follow its planes. x is QDQ'd here (again: QDQ'd values are their own QDQ). A group with a value
- * that is not finite gets a NaN scale, so that its products are NaN as the float ones would be. */
-size_t int_planes_bytes(int K) { return (size_t)(K / 32) * (128 + sizeof(float)); }
+/* avx2.c's integer FP4 products read a QDQ'd row by pairs of 32-groups, as the decoder splits 32 weight bytes (two
+ * groups) into their low nibbles (even elements) and high ones (odd elements). A value is E4M3 value * 512 (an
+ * integer below 2^18 in magnitude), in three signed 6-bit planes (VPMADDUBSW's signed operand). Per pair, 224
+ * bytes: for each plane, the even elements of both groups, then the odd ones (32 bytes each: 16 of the first group,
+ * 16 of the second); then 8 int32, 12 times the sum of elements 8j .. 8j + 7 of the first group (j < 4) or of the
+ * second (the weights' offset of 12 adds it to product lane j). After the pairs, 8 floats a pair: each group's
+ * scale / 1024 (for the 512 and the weights' factor of 2) four times, as the lanes hold them. x is QDQ'd here
+ * (again: QDQ'd values are their own QDQ). A group with a value that is not finite gets a NaN scale and zero
+ * planes, so that its products are NaN as the float ones would be; an odd row's last pair is padded with zeros. */
+static int int_pairs(int K) { return (K / 32 + 1) / 2; }
+size_t int_planes_bytes(int K) { return (size_t)int_pairs(K) * (224 + 8 * sizeof(float)); }
+
+/* Four int32 vectors (elements 0-7, .., 24-31, each below 2^7 in magnitude) -> bytes: the 16 even elements in the
+ * low half, the 16 odd ones in the high half. */
+AVX2 INLINE __m256i even_odd_bytes(const __m256i v[4]) {
+    /* the packs interleave 128-bit lanes: dwords hold elements 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31 */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return _mm256_permute4x64_epi64(b, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* [sum of v[0], .., sum of v[3]] */
+AVX2 INLINE __m128i lane_sums(const __m256i v[4]) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
 
 AVX2 void fp4_int_planes(const float *x, uint8_t *out, int rows, int K) {
-    const int G = K / 32;
+    const int G = K / 32, P = int_pairs(K);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int r = 0; r < rows; r++) {
-        uint8_t *planes = out + (size_t)r * int_planes_bytes(K);
-        float *scales = (float *)(planes + (size_t)G * 128);
+        uint8_t *pairs = out + (size_t)r * int_planes_bytes(K);
+        float *scales = (float *)(pairs + (size_t)P * 224);
+        if (G % 2) memset(pairs + (size_t)(P - 1) * 224, 0, 224), memset(scales + 8 * (P - 1), 0, 32);
         for (int g = 0; g < G; g++) {
             __m256 q[4];
-            float v[32];
             const float s = qdq_group(x + (size_t)r * K + 32 * g, q);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(v + 8 * i, _mm256_mul_ps(q[i], _mm256_set1_ps(512.0f)));
-            uint8_t *p = planes + (size_t)g * 128;
-            int finite = 1;
-            for (int b = 0; b < 32; b++) {
-                const float a = v[b < 16 ? 2 * b : 2 * (b - 16) + 1];
-                finite &= fabsf(a) <= 448.0f * 512.0f;
-                const int32_t n = finite ? (int32_t)fabsf(a) : 0;
-                p[b] = n & 63, p[32 + b] = (n >> 6) & 63, p[64 + b] = (uint8_t)(n >> 12);
-                p[96 + b] = (uint8_t)(a > 0 ? 1 : (a < 0 ? -1 : 0));
+            __m256i n[4], negative[4], plane[4];
+            __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (int i = 0; i < 4; i++) {
+                const __m256 a = _mm256_mul_ps(_mm256_and_ps(q[i], magnitude), _mm256_set1_ps(512.0f));
+                finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(448.0f * 512.0f), _CMP_LE_OQ));
+                n[i] = _mm256_cvttps_epi32(a);
+                negative[i] = _mm256_srai_epi32(_mm256_castps_si256(q[i]), 31); /* -1 where the sign bit is set */
             }
-            scales[g] = finite ? s * (1.0f / 1024.0f) : NAN;
+            const int ok = _mm256_movemask_ps(finite) == 0xFF;
+            uint8_t *pair = pairs + (size_t)(g / 2) * 224;
+            for (int i = 0; i < 4; i++) /* sign * n, as (n ^ -1) - -1 = -n */
+                n[i] = ok ? _mm256_sub_epi32(_mm256_xor_si256(n[i], negative[i]), negative[i]) : _mm256_setzero_si256();
+            for (int slot = 0; slot < 3; slot++) {
+                for (int i = 0; i < 4; i++) { /* the magnitude's bits 6 slot .. 6 slot + 5, signed */
+                    const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(_mm256_abs_epi32(n[i]), 6 * slot),
+                                                          _mm256_set1_epi32(63));
+                    plane[i] = _mm256_sign_epi32(bits, n[i]);
+                }
+                const __m256i bytes = even_odd_bytes(plane);
+                _mm_storeu_si128((__m128i *)(pair + 64 * slot + 16 * (g % 2)), _mm256_castsi256_si128(bytes));
+                _mm_storeu_si128((__m128i *)(pair + 64 * slot + 32 + 16 * (g % 2)), _mm256_extracti128_si256(bytes, 1));
+            }
+            _mm_storeu_si128((__m128i *)(pair + 192 + 16 * (g % 2)), _mm_mullo_epi32(lane_sums(n), _mm_set1_epi32(12)));
+            for (int i = 0; i < 4; i++) scales[8 * (g / 2) + 4 * (g % 2) + i] = ok ? s * (1.0f / 1024.0f) : NAN;
         }
     }
 }

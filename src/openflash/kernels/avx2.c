@@ -112,54 +112,69 @@ AVX2 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, 
 
 /* ---- FP4 with QDQ'd activations, in integers ------------------------------------------------------------------
  * Twice an E2M1 value is an integer (0, +-1, .., +-12) and a QDQ'd activation times 512 over its group's scale one
- * below 2^18 (activations.c fp4_int_planes: three 6-bit planes). VPMADDUBSW multiplies 32 of a plane by the weights
- * (which carry the activations' signs) and adds pairs (below 2^11: no saturation), VPMADDWD weighs the planes by 1,
- * 64 and 4096 and adds pairs again: each lane's sum of 4 products is exact and below 2^24, so exact in fp32. A
- * group's value is that times the activation's scale (exact) and then the weight's (the one rounding the float
- * products make too); the lanes add up in fp32. One activation row only: with fewer shuffles than the fp16
- * decoder it is faster there, but it multiplies each row three times where the floats do once (docs/benchmarks.md). */
+ * below 2^18 in magnitude (activations.c fp4_int_planes: three signed 6-bit planes). Two groups at a time, as 32
+ * weight bytes split into even and odd elements: VPMADDUBSW multiplies 32 weights (offset by 12 to be unsigned) by
+ * 32 of a plane and adds pairs (below 2^12), the even and odd halves add up in 16 bits (below 2^13: no
+ * saturation), VPMADDWD weighs the planes by 1, 64 and 4096 and adds pairs again, and the offset's share (computed
+ * with the planes) is taken off. Each lane then holds the exact sum of 8 products of one group; below 2^24 (always
+ * but where most of the 8 are near the largest of both formats, one sign) fp32 holds it exactly, above it the
+ * conversion rounds once, as an fp32 addition would. A group's value is that times the activation's scale (exact)
+ * and then the weight's (the one rounding the float products make too); the lanes add up in fp32. One activation
+ * row only: with fewer shuffles than the fp16 decoder it is faster there, but it multiplies each row three times
+ * where the floats do once (docs/benchmarks.md). */
 
-/* A group's 32 weights times 2 as int8: lane 0 the low nibbles (elements 0, 2, ..), lane 1 the high ones. */
-AVX2 INLINE __m256i fp4_int_weights(const uint8_t *bytes) {
-    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6,
-                                           8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
-    return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srlv_epi32(b, shifts), _mm256_set1_epi8(0x0F)));
+/* The integer products go through a group faster than the float ones: they ask further ahead (2 KiB: on a 2-core
+ * Xeon the one-row w1/w3 product took 0.37-0.39 ms with it, 0.41 with 1 KiB, 0.43 with 4 KiB, docs/benchmarks.md). */
+#define INT_PREFETCH_BYTES 2048
+
+/* Two groups' weights as VPMADDUBSW's unsigned operand, from their 32 bytes (`odd`: the high nibbles): twice the
+ * E2M1 value plus 12 (0 .. 24), so that the signed activations need no sign instructions; the 12 times the
+ * activations' sum that this adds is taken off each lane (fp4_int_planes computes it once per call). */
+AVX2 INLINE __m256i fp4_int_weights(__m256i bytes, int odd) {
+    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15,
+                                           16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const __m256i codes = _mm256_and_si256(odd ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(table, codes);
 }
 
-/* The exact sums of a group's products with one row's planes, 8 lanes of 4 products each, as floats. */
-AVX2 INLINE __m256 fp4_int_sums(__m256i w, const uint8_t *planes) {
-    const __m256i ws = _mm256_sign_epi8(w, _mm256_loadu_si256((const __m256i *)(planes + 96)));
-    __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)planes), ws),
-                                  _mm256_set1_epi16(1));
-    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(planes + 32)),
-                                                                   ws), _mm256_set1_epi16(64)));
-    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(planes + 64)),
-                                                                   ws), _mm256_set1_epi16(4096)));
-    return _mm256_cvtepi32_ps(t);
+/* The 16-bit sums of one plane's products (each below 2^12 in magnitude): even elements and odd ones. */
+AVX2 INLINE __m256i fp4_int_plane(__m256i even, __m256i odd, const uint8_t *plane) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256((const __m256i *)plane)),
+                            _mm256_maddubs_epi16(odd, _mm256_loadu_si256((const __m256i *)(plane + 32))));
 }
 
-AVX2 INLINE __m256 fp4_int_group(const uint8_t *wrow, const uint8_t *srow, const uint8_t *planes, const float *xs,
-                                 int g, __m256 acc) {
-    PREFETCH(wrow + 16 * g + PREFETCH_BYTES);
-    const __m256 v = _mm256_mul_ps(fp4_int_sums(fp4_int_weights(wrow + 16 * g), planes + (size_t)g * 128),
-                                   _mm256_set1_ps(xs[g]));
-    return _mm256_fmadd_ps(v, _mm256_set1_ps(UE8M0[srow[g]]), acc);
+/* acc + one pair of groups (32 weight bytes, 224 plane bytes, the pair's 8 activation scales) times the weights'
+ * scales `ws` (the first group's in lanes 0-3, the second's in 4-7). */
+AVX2 INLINE __m256 fp4_int_pair(__m256i bytes, const uint8_t *pair, const float *xs, __m256 ws, __m256 acc) {
+    const __m256i even = fp4_int_weights(bytes, 0), odd = fp4_int_weights(bytes, 1);
+    __m256i t = _mm256_sub_epi32(_mm256_madd_epi16(fp4_int_plane(even, odd, pair), _mm256_set1_epi16(1)),
+                                 _mm256_loadu_si256((const __m256i *)(pair + 192)));
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(fp4_int_plane(even, odd, pair + 64), _mm256_set1_epi16(64)));
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(fp4_int_plane(even, odd, pair + 128), _mm256_set1_epi16(4096)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps(xs)), ws, acc);
 }
 
-/* One output row against one row of planes: two chains of groups. */
+AVX2 INLINE __m256 pair_scales(float first, float second) {
+    return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
+}
+
+/* One output row against one row of planes: two chains of pairs; an odd last group pairs with zero weights. */
 AVX2 INLINE float fp4_int_row(const uint8_t *wrow, const uint8_t *srow, const uint8_t *planes, int K) {
-    const int G = K / 32;
-    const float *xs = (const float *)(planes + (size_t)G * 128);
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int g = 0;
-    for (; g + 2 <= G; g += 2) {
-        even = fp4_int_group(wrow, srow, planes, xs, g, even);
-        odd = fp4_int_group(wrow, srow, planes, xs, g + 1, odd);
+    const int G = K / 32, P = (G + 1) / 2;
+    const float *xs = (const float *)(planes + (size_t)P * 224);
+    __m256 chain[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int p = 0;
+    for (; 2 * p + 2 <= G; p++) {
+        if (p % 2 == 0) PREFETCH(wrow + 32 * p + INT_PREFETCH_BYTES);
+        chain[p % 2] = fp4_int_pair(_mm256_loadu_si256((const __m256i *)(wrow + 32 * p)), planes + (size_t)p * 224,
+                                    xs + 8 * p, pair_scales(UE8M0[srow[2 * p]], UE8M0[srow[2 * p + 1]]),
+                                    chain[p % 2]);
     }
-    if (g < G) even = fp4_int_group(wrow, srow, planes, xs, g, even);
-    return hsum(_mm256_add_ps(even, odd));
+    if (p < P) /* G odd */
+        chain[0] = fp4_int_pair(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wrow + 32 * p))),
+                                planes + (size_t)p * 224, xs + 8 * p, pair_scales(UE8M0[srow[2 * p]], 0.0f),
+                                chain[0]);
+    return hsum(_mm256_add_ps(chain[0], chain[1]));
 }
 
 AVX2 void avx2_fp4_int_gemv(const uint8_t *x, const uint8_t *w, const uint8_t *scale, float *y, int N, int K,
