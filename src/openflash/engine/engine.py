@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -36,6 +34,7 @@ from openflash.engine.cache import CacheFactory
 from openflash.engine.config import EngineConfig, model_fingerprint
 from openflash.engine.inbox import Inbox
 from openflash.engine.lockstep import KEEPALIVE_SECONDS, LockstepError, RequestSpec, StepInputs
+from openflash.engine.loop import EngineLoop
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import PrefixCache
 from openflash.engine.prompt import PromptIntake
@@ -140,9 +139,9 @@ class LLMEngine:
                 n = self.prefix_cache.load(config.prefix_cache_dir)
                 log.info("prefix cache: loaded %d entries from %s", n, config.prefix_cache_dir)
         self.inbox = Inbox(config.max_waiting)  # requests and aborts from other threads, until the next step
-        self._thread: threading.Thread | None = None
         self._removals: list[str] = []
         self.lockstep = lockstep
+        self.loop = EngineLoop(self, KEEPALIVE_SECONDS if lockstep is not None else None)  # engine/loop.py
         self._follower_output: Callable[[RequestOutput], None] | None = None  # follow(on_output)
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------
@@ -199,6 +198,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.inbox.pending() or self.scheduler.has_work
 
+    def busy(self) -> bool:
+        """The scheduler holds sequences (arrivals not yet taken aside)."""
+        return self.scheduler.has_work
+
     # ---- one step (engine thread) -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step: take what arrived (and the aborts), prefill the scheduled chunks, decode the running
@@ -245,7 +248,8 @@ class LLMEngine:
                     if result.error is not None:  # a failure fails this request, not the server
                         raise result.error
                     self.metrics.prompt_tokens += chunk.num_tokens
-                    self._cache_prefix(seq, chunk.start, chunk.end)
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.offer(seq.key_ids, chunk.start, chunk.end, seq.cache)
                 except Exception as exc:
                     outputs.extend(self._fail([seq], exc, "prefill"))
                     continue
@@ -321,20 +325,6 @@ class LLMEngine:
                 self._deliver(failed, out)
             return False
 
-    def _cache_prefix(self, seq: Sequence, start: int, end: int) -> None:
-        """Offer the prefix cache the states this chunk passed (see prefix_cache.py for where entries go)."""
-        pc = self.prefix_cache
-        if pc is None:
-            return
-        block = pc.block_tokens
-        if pc.restore_mode == "snapshot":
-            # A snapshot must be the state of a prefill that stops there: only between chunks.
-            if end < seq.prompt_len and end % block == 0:
-                pc.insert(seq.key_ids, end, seq.cache)
-            return
-        for boundary in range((start // block + 1) * block, end + 1, block):
-            pc.insert(seq.key_ids, boundary, seq.cache)
-
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         if token == NO_TOKEN:  # its logits were not finite: this request fails, the others in its batch go on
             return self._fail([seq], NonFiniteLogits(), "sampling")[0][1]
@@ -388,7 +378,7 @@ class LLMEngine:
                  adapters: list[str | None] | None = None) -> list[Sequence]:
         """Run prompts to completion on the calling thread (no background loop); sequences in input order.
         images, adapters: each prompt's image spans and LoRA adapter (see add_request)."""
-        if self._thread is not None:
+        if self.loop.running:
             raise RuntimeError("generate() runs the engine itself; the background loop is running")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         spans = images if images is not None else [()] * len(prompts)
@@ -399,79 +389,35 @@ class LLMEngine:
             self.step()
         return seqs
 
-    # ---- background loop (the server) ---------------------------------------------------------------------------
+    # ---- the loops that step it (engine/loop.py) and shutdown ---------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self.inbox.stop(False)
-        self._thread = threading.Thread(target=self._loop, name="openflash-engine", daemon=True)
-        self._thread.start()
+        """Step on a background thread (the server's) from now on."""
+        self.loop.start()
 
-    def _loop(self) -> None:
-        keepalive = KEEPALIVE_SECONDS if self.lockstep is not None else None  # followers wait on each step
-        while True:
-            if not self.inbox.wait(lambda: self.scheduler.has_work, keepalive):
-                return
-            try:
-                self._step_or_fail()
-            except LockstepError:  # the group is gone: fail what is in flight, take nothing new
-                log.exception("engine loop stopped")
-                self.inbox.close()
-                self.scheduler.waiting.extend(self.inbox.take()[0])
-                self._fail_in_flight(LockstepError("the expert-parallel group stopped"), "the group's step")
-                return
+    def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """A follower rank's engine (expert-parallel serving): step with the leader until it stops the group;
+        on_output gets this replica's outputs of every request (for logs and checks: the leader's are the ones
+        served)."""
+        if self.lockstep is None or self.lockstep.leader:
+            raise RuntimeError("follow() is for the follower engines of an expert-parallel group")
+        self._follower_output = on_output
+        self.loop.follow()
 
-    def _step_or_fail(self) -> None:
-        """One step; if it fails, fail what was in flight and keep serving."""
-        try:
-            self.step()
-        except LockstepError:
-            raise
-        except Exception as exc:
-            self._fail_in_flight(exc, "engine step")
-
-    def _fail_in_flight(self, exc: BaseException, during: str) -> None:
+    def fail_in_flight(self, exc: BaseException, during: str) -> None:
         for seq, out in self._fail(self.scheduler.all_sequences(), exc, during):
             self._deliver(seq, out)
         self._flush_removals()
 
-    def follow(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
-        """A follower rank's engine (expert-parallel serving): step with the leader until it stops; on_output gets
-        this replica's outputs of every request (for logs and checks: the leader's are the ones served). SIGINT is
-        ignored meanwhile (torchrun passes Ctrl-C to every rank): the leader drains and then stops the group, and a
-        follower interrupted mid-step would leave its replica out of step or the leader waiting on it."""
-        if self.lockstep is None or self.lockstep.leader:
-            raise RuntimeError("follow() is for the follower engines of an expert-parallel group")
-        self._follower_output = on_output
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            while not self.inbox.stopped:
-                self._step_or_fail()
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+    def abandon(self) -> None:
+        """The expert-parallel group is gone: take nothing new, fail what arrived and what is in flight."""
+        self.inbox.close()
+        self.scheduler.waiting.extend(self.inbox.take()[0])
+        self.fail_in_flight(LockstepError("the expert-parallel group stopped"), "the group's step")
 
     def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Stop taking requests, let running ones finish for up to drain_timeout seconds, abort the rest, stop the
-        loop, and persist the prefix cache if configured."""
-        self.inbox.close()
-        deadline = time.monotonic() + drain_timeout
-        while self.has_work() and time.monotonic() < deadline:
-            if self._thread is None:
-                self.step()
-            else:
-                time.sleep(0.02)
-        self.inbox.cancel_all()
-        if self._thread is None:
-            while self.has_work():
-                self.step()
-        else:
-            while self.has_work() and self._thread.is_alive():
-                time.sleep(0.01)
-            self.inbox.stop()
-            self._thread.join(timeout=30)
-            self._thread = None
+        loop, tell the follower ranks to stop, and persist the prefix cache if configured."""
+        self.loop.drain(drain_timeout)
         if self.lockstep is not None and self.lockstep.leader:
             try:
                 self.lockstep.share(StepInputs(stop=True))

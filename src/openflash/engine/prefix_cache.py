@@ -154,6 +154,19 @@ class PrefixCache:
         return cache
 
     # ---- insertion ----------------------------------------------------------------------------------------------
+    def offer(self, token_ids: list[int], start: int, end: int, cache: ModelCache) -> None:
+        """A prefill chunk took `cache` (one sequence's) from position `start` to `end` of the prompt `token_ids`:
+        insert the states it passed that this mode keeps. A snapshot must be the state of a prefill that stops
+        there, so only a chunk's end (a block boundary short of the prompt's end) is one; replay keeps every block
+        boundary the chunk crossed."""
+        block = self.block_tokens
+        if self.restore_mode == "snapshot":
+            if end < len(token_ids) and end % block == 0:
+                self.insert(token_ids, end, cache)
+            return
+        for boundary in range((start // block + 1) * block, end + 1, block):
+            self.insert(token_ids, boundary, cache)
+
     def insert(self, token_ids: list[int], num_tokens: int, cache: ModelCache) -> bool:
         """Cache the state after token_ids[:num_tokens] (a block boundary) from a one-row cache.
 
