@@ -3,7 +3,8 @@
 Every subcommand is declared here, in one readable tree; its handler lives in the `commands/` package (one module
 per area, so library modules stay free of argparse) and is imported only when its command runs (so `openflash
 --help` stays fast and one feature's import cost is not paid by another). A handler takes the parsed
-`argparse.Namespace` and returns an exit code.
+`argparse.Namespace` and returns an exit code. The flags several commands share are declared once, in
+`commands/flags.py`.
 
 User errors (`OpenflashError`) print one line and exit 2; `--debug` shows the traceback.
 """
@@ -16,14 +17,10 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from openflash.commands.flags import device_flag, placement_flags, token_ids
 from openflash.errors import OpenflashError
-from openflash.placement import DEVICE_HELP, ENGRAM_TIERS, EXPERT_TIERS
 from openflash.sizes import SIZE_HELP, size_bytes
 
-WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights), stored (only the stored bytes resident, "
-                "computed by the native kernels up to 16 rows, dequantized tile by tile beyond: memory = checkpoint "
-                "size), auto (the default: stored where the kernels decode a quantized model of hidden size 256 or "
-                "more faster, or where the fp32 copies would take over a quarter of the available memory)")
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     """Resolve "module:function" lazily, at run time."""
@@ -34,64 +31,6 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
         return int(func(args) or 0)
 
     return run
-
-
-def _compile_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile", action="store_true",
-                        help="run the compiled backend: the kernels' elementwise chains fused by torch.compile, same "
-                             "numerics (needs a C++ compiler on CPU; the first call of each kernel compiles, cached "
-                             "on disk by inductor; speed-ups in docs/benchmarks.md)")
-
-
-def _device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-
-
-def _placement_flags(parser: argparse.ArgumentParser) -> None:
-    """Where the model runs (placement.Placement.from_args reads these): declared once for every command that
-    places a model for inference."""
-    _device_flag(parser)
-    parser.add_argument("--weights", default="auto", choices=["auto", "dequantized", "stored"], help=WEIGHTS_HELP)
-    _compile_flag(parser)
-    parser.add_argument("--placement", default=None, metavar="plan.json",
-                        help="run with the placement `openflash plan --memory ... --out plan.json` wrote (weights, "
-                             "experts and their cache, Engram tier); not combined with those flags")
-    parser.add_argument("--expert-placement", default="device", choices=list(EXPERT_TIERS),
-                        help="where the routed experts live: device (the model's memory, default), host (read once "
-                             "into host RAM, as stored), disk (read from the checkpoint's shards when routed to)")
-    parser.add_argument("--expert-cache-bytes", type=size_bytes, default=0, metavar="SIZE",
-                        help=f"with host / disk: recently used experts kept ready (LRU; 0 = no limit); {SIZE_HELP}")
-    parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
-                        help="split the routed experts over N processes (launch with torchrun --nproc_per_node N; gloo "
-                             "on CPU, nccl on GPU): each holds 1/N of them, the rest is replicated; a server's rank 0 "
-                             "takes the requests and every rank runs the same engine steps")
-    parser.add_argument("--expert-prefetch", action="store_true",
-                        help="with disk: decode steps start reading the experts this and the next layer's routers "
-                             "predict (off by default: slower where disk reads dominate; docs/benchmarks.md)")
-    parser.add_argument("--expert-direct-io", action="store_true",
-                        help="with host / disk: read the experts from the shards with O_DIRECT, past the page cache "
-                             "(off by default: the page cache also serves re-reads; benchmarks/expert_reads.py)")
-    parser.add_argument("--engram-placement", default="auto", choices=list(ENGRAM_TIERS),
-                        help="where the Engram tables live: auto (host RAM next to a CUDA device for FP8 tables, "
-                             "pinned, rows copied ahead; the model's memory on the CPU), device, host, disk")
-    parser.add_argument("--engram-table-dir", default=None,
-                        help="folder of table files from `openflash engram export` (disk placement)")
-    parser.add_argument("--engram-cache-bytes", type=size_bytes, default=0, metavar="SIZE",
-                        help=f"row cache of the disk tier (0: 64 MiB a table); {SIZE_HELP}")
-    parser.add_argument("--engram-io-threads", type=int, default=4, help="parallel reads of the disk tier")
-
-
-def _token_ids(text: str) -> list[int]:
-    """--prompt-ids: "0,5,17", "0 5 17" or "[0, 5, 17]"."""
-    pieces = text.strip().strip("[]").replace(",", " ").split()
-    try:
-        ids = [int(p) for p in pieces]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"token ids are integers separated by commas or spaces, got {text!r}") \
-            from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"token ids are one or more integers >= 0, got {text!r}")
-    return ids
 
 
 def _add(sub: argparse._SubParsersAction, name: str, target: str, help_text: str) -> argparse.ArgumentParser:
@@ -144,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--numerics", default="reference", choices=["reference", "fp32"],
                         help="reference: reproduce the reference's bf16 rounding points (default); fp32: the fast path")
     parity.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    _device_flag(parity)
+    device_flag(parity)
     parity.add_argument("--weights", default="dequantized", choices=["dequantized", "stored"],
                         help="weight residency to check (stored: computed tile by tile from the stored formats)")
 
@@ -193,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("base", help="the checkpoint the adapter was trained on")
     merge.add_argument("adapter", help="PEFT adapter folder or `train --lora` run")
     merge.add_argument("out", help="new folder to write")
-    _device_flag(merge)
+    device_flag(merge)
 
     # data / tokenizer --------------------------------------------------------------------------------------
     data = sub.add_parser("data", help="training data")
@@ -244,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-verify", dest="verify", action="store_false",
                        help="with --resume: skip checking the checkpoint against its checksums.sha256 (checked by "
                             "default: the run wrote them itself)")
-    _device_flag(train)
+    device_flag(train)
     train.add_argument("--autocast", default="off", choices=["off", "bf16"],
                        help="bf16: forward and backward under torch.autocast to bf16 on CUDA (fp32 master weights and "
                             "optimizer state); off (default): the numerics as on the CPU")
@@ -335,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--verify", dest="verify_init", action="store_true",
                     help="check the base checkpoint against its checksums.sha256 first")
     rl.add_argument("--seed", type=int, default=0, help="seed of the task order and of every sample")
-    _device_flag(rl)
+    device_flag(rl)
 
     demo = _add(sub, "demo", "openflash.commands.train:demo",
                 "prepare a corpus, train a small model, then generate from it (the README's main job)")
@@ -364,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (with --image: each <image> in it takes the next image; "
                         "without one, the images come first)")
-    prompt.add_argument("--prompt-ids", metavar="IDS", type=_token_ids,
+    prompt.add_argument("--prompt-ids", metavar="IDS", type=token_ids,
                         help="the prompt as token ids, comma- or space-separated (\"0,5,17\"), as another engine "
                              "tokenized it; the output then prints the generated ids too")
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
@@ -381,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-mode", "--prefill", default="bounded", choices=["bounded", "exact"],
                      help="CED prefill: bounded replay of the decoder half (default) or exact (every layer on every "
                           "prompt token)")
-    _placement_flags(gen)
+    placement_flags(gen)
     gen.add_argument("--speculative", default=None, choices=["dspark"],
                      help="speculative decoding with the model's DSpark draft head (same output when greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -398,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in the model folder)")
-    _placement_flags(serve)
+    placement_flags(serve)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
     serve.add_argument("--prefill-mode", default="bounded", choices=["bounded", "exact"],
