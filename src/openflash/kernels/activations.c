@@ -143,9 +143,9 @@ AVX2 void fp4_int_planes(const float *x, uint8_t *out, int rows, int K) {
     }
 }
 
-/* avx2.c's FP4 decoder yields a 32-group's weights as elements 0, 2, .., 14 | 1, 3, .., 15 | 16, 18, .., 30 |
- * 17, 19, .., 31: lane 8 i + j holds element 16 (i / 2) + 2 j + i % 2. */
-static int fp4_lane_element(int lane) { return 16 * ((lane / 8) / 2) + 2 * (lane % 8) + (lane / 8) % 2; }
+/* avx2.c's FP4 decoder yields a 32-group's weights in 4 vectors of 8: vector i lanes 0-3 hold even elements
+ * 8i, 8i + 2, 8i + 4, 8i + 6, lanes 4-7 the odd ones 8i + 1, .., 8i + 7. */
+static int fp4_lane_element(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane % 8) / 4; }
 
 void fp4_lane_order(const float *x, float *out, int rows, int K) {
     float group[32];

@@ -2,8 +2,8 @@
  * x is fp32: in lane order for FP4 (activations.c fp4_lane_order), times 256 for FP8 (below). Threads split the
  * output rows (OpenMP). Results equal dequantize-then-fp32-matmul to fp32 summation order.
  *
- * FP4: every E2M1 value is an fp16 whose low byte is zero, so one VPSHUFB over 16 high bytes (the sign included)
- * decodes 16 nibbles, an unpack with zeros makes them fp16 words and F16C converts 8 at a time.
+ * FP4: every E2M1 value is an fp32 whose two low bytes are zero: two VPSHUFB tables decode 32 nibbles into the two
+ * high bytes and unpacks with zeros make them floats (fp4_group).
  * FP8: an E4M3 byte b, its magnitude bits shifted left by 7, is the fp16 of value(b) / 256, subnormals included;
  * F16C converts it and the 256 is folded into x (exact: a power of two), so extreme block scales stay finite. */
 #include <string.h>
@@ -73,20 +73,30 @@ AVX2 INLINE void store_rows(__m256 *acc, int nr, float *y, int ldy) {
 
 /* ---- FP4 ---------------------------------------------------------------------------------------------------- */
 
-/* The 32 weights of a group in lane order: vector 0 holds elements 0, 2, .., 14, vector 1 1, 3, .., 15, vector 2
- * 16, 18, .., 30, vector 3 17, .., 31 (x is laid out to match once per call, so no weight is shuffled). */
-
+/* The 32 weights of a group in lane order: the 16 even elements (low nibbles) and the 16 odd ones (high nibbles)
+ * side by side, vector i lanes 0-3 holding even elements 4i .. 4i + 3 (elements 8i, 8i + 2, ..) and lanes 4-7 the
+ * odd ones (8i + 1, 8i + 3, ..); x is laid out to match once per call, so no weight is shuffled across lanes. An
+ * E2M1 value's fp32 has its bits in the top two bytes only: two VPSHUFB tables give them, and two rounds of
+ * unpacking with zeros put them in place (shuffles, leaving the FMA ports to the products). */
 AVX2 INLINE void fp4_group(const uint8_t *bytes, __m256 w[4]) {
-    const __m128i high = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
-                                       (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
-    const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
-    __m128i b = _mm_loadu_si128((const __m128i *)bytes);
-    __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));                      /* elements 0, 2, .. */
-    __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));   /* elements 1, 3, .. */
-    w[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even));
-    w[1] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd));
-    w[2] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even));
-    w[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd));
+    const __m256i top = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
+                                         (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
+                                         0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
+                                         (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0);
+    const __m256i next = _mm256_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0, 0x00,
+                                          0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0, 0x00, 0x00,
+                                          (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0, 0x00, 0x00,
+                                          (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                           _mm256_set1_epi8(0x0F)); /* lane 0: even elements, lane 1: odd ones */
+    const __m256i hi = _mm256_shuffle_epi8(top, codes), lo = _mm256_shuffle_epi8(next, codes);
+    const __m256i first = _mm256_unpacklo_epi8(lo, hi), second = _mm256_unpackhi_epi8(lo, hi); /* 16-bit halves */
+    w[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, first));
+    w[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, first));
+    w[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, second));
+    w[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, second));
 }
 
 /* One output row against nr (<= CHUNK) rows of x in lane order. */
@@ -120,7 +130,7 @@ AVX2 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, 
  * but where most of the 8 are near the largest of both formats, one sign) fp32 holds it exactly, above it the
  * conversion rounds once, as an fp32 addition would. A group's value is that times the activation's scale (exact)
  * and then the weight's (the one rounding the float products make too); the lanes add up in fp32. One activation
- * row only: with fewer shuffles than the fp16 decoder it is faster there, but it multiplies each row three times
+ * row only: with fewer shuffles than the float decoder it is faster there, but it multiplies each row three times
  * where the floats do once (docs/benchmarks.md). */
 
 /* The integer products go through a group faster than the float ones: they ask further ahead (2 KiB: on a 2-core
