@@ -35,24 +35,23 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from openflash.chat.conversation import IMAGE_MARK, ChatOptions, Forcing
+from openflash.chat.conversation import ChatOptions
 from openflash.engine.engine import LLMEngine
 from openflash.engine.prompt import PromptError
 from openflash.engine.request import ERROR, EngineStoppedError, QueueFullError, RequestOutput
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import RequestError
 from openflash.serve import metrics as prom
-from openflash.serve.chat import ChatFormat, ChatReply, chat_options, conversation
+from openflash.serve.chat import ChatFormat, ChatReply
 from openflash.serve.errors import APIError, engine_failure, field_error, http_error, prompt_error, validation_error
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip
-from openflash.serve.images import ImagePolicy, image_bytes
+from openflash.serve.images import ImagePolicy
 from openflash.serve.jobs import Choice, Job
+from openflash.serve.prompts import ServerPrompts
 from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
                                       DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                       TokenizeRequest, TokenizeResponse)
-from openflash.vision.preprocess import PreparedImage, prepare_image
-from openflash.vision.prompt import PromptImage, assemble
 
 log = logging.getLogger("openflash.serve")
 
@@ -71,17 +70,6 @@ class ServerConfig:
     images: ImagePolicy = field(default_factory=ImagePolicy)  # image content parts: sources and limits
 
 
-@dataclass
-class ChatPrompt:
-    """A rendered chat request: token ids (image spans included), the forced text already at their end ("" if
-    none; the reply's parser reads it first), a forcing that waits for the model's reasoning to end, the spans."""
-
-    ids: list[int]
-    forced: str = ""
-    deferred: Forcing | None = None
-    images: list[PromptImage] = field(default_factory=list)
-
-
 def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -90,10 +78,8 @@ class OpenflashServer:
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.max_context = engine.config.max_context
-        self.intake = engine.prompt_intake  # the engine's intake: its checks, before the engine sees the request
-        if self.intake.max_token_chars is None:
-            log.warning("this tokenizer's normalizer or pre-tokenizer drops characters: prompts are tokenized in "
-                        "full before their length is checked")
+        self.prompts = ServerPrompts(tokenizer, engine.prompt_intake, config.chat_format, config.thinking_default,
+                                     config.images, engine.cfg)  # serve/prompts.py
 
     # ---- request -> engine ----------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str | None:
@@ -129,12 +115,6 @@ class OpenflashServer:
         except RequestError as exc:
             raise field_error(422, exc, body) from None
 
-    def check_ids(self, ids: list[int], param: str) -> None:
-        try:
-            self.intake.check_ids(ids, param)
-        except PromptError as exc:
-            raise prompt_error(exc) from None
-
     def submit(self, job: Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
                **chat: Any) -> None:
         try:
@@ -149,74 +129,6 @@ class OpenflashServer:
             if exc.param is not None:
                 raise field_error(422, exc, body) from None
             raise APIError(400, str(exc), param=param) from None
-
-    def check_length(self, text: str, param: str) -> None:
-        """413 for a text too long for the context, before it is tokenized (PromptIntake.check_text)."""
-        try:
-            self.intake.check_text(text, param)
-        except PromptError as exc:
-            raise prompt_error(exc) from None
-
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        """Token ids of `text` (413 first if it cannot fit the context). Called in a worker thread (see `off_loop`);
-        encode_batch releases the GIL while the Rust tokenizer runs, so the event loop keeps serving other requests
-        during a long prompt."""
-        self.check_length(text, param)
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
-        p = body.prompt
-        if isinstance(p, str):
-            return [self.encode(p)]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return [self.encode(x) if isinstance(x, str) else list(x) for x in p]
-
-    def chat_prompt(self, messages: list[Any], options: ChatOptions) -> ChatPrompt:
-        """The rendered conversation as token ids, with its images decoded and placed (see ChatPrompt)."""
-        fmt = self.config.chat_format
-        try:
-            fmt.check(options)
-            turns = conversation(messages)
-            text = fmt.render(turns, options)
-            self.check_length(text, "messages")  # before any image is decoded
-            images = self.prepare_images([image for turn in turns for image in turn.images])
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.param or "messages", code="invalid_value") from None
-        forcing = fmt.forcing(options)
-        forced = "" if forcing is None or forcing.after_token is not None else forcing.text
-        pieces = (text + forced).split(IMAGE_MARK)
-        if len(pieces) != len(images) + 1:  # the format dropped or repeated an image: a bug, not the request's
-            raise RuntimeError(f"the {fmt.name} chat format rendered {len(pieces) - 1} image marks for "
-                               f"{len(images)} images")
-        segments: list[list[int] | PreparedImage] = []
-        encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)  # one call for every text piece
-        for k, piece in enumerate(encoded):
-            segments.append(piece.ids)
-            if k < len(images):
-                segments.append(images[k])
-        ids, placed = assemble(segments, self.engine.cfg.image_token_id)
-        return ChatPrompt(ids, forced, forcing if not forced else None, placed)
-
-    def prepare_images(self, parts: list[Any]) -> list[PreparedImage]:
-        """Decode and preprocess a request's image parts (RequestError naming the part for a bad one)."""
-        if not parts:
-            return []
-        vision = self.engine.cfg.vision
-        if vision is None:
-            raise RequestError(f"{parts[0].where}: this model has no vision tower; it takes text only",
-                               param=parts[0].where)
-        policy = self.config.images
-        if len(parts) > policy.max_images:
-            raise RequestError(f"messages: {len(parts)} images, over the limit of {policy.max_images} per request",
-                               param=parts[policy.max_images].where)
-        return [prepare_image(image_bytes(p.url, p.where, policy), vision, policy.limits, p.where) for p in parts]
-
-    def chat_options(self, body: ChatCompletionRequest) -> ChatOptions:
-        try:
-            return chat_options(body, self.config.thinking_default)
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
     @staticmethod
     async def off_loop(fn: Any, *args: Any) -> Any:
@@ -268,9 +180,9 @@ class OpenflashServer:
     # ---- endpoints --------------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         adapter = self.check_model(body.model)
-        prompts = await self.off_loop(self.completion_prompts, body)
+        prompts = await self.off_loop(self.prompts.completion, body)
         for ids in prompts:
-            self.check_ids(ids, "prompt")
+            self.prompts.check_ids(ids, "prompt")
         job, rid = Job(self.engine, adapter), f"cmpl-{uuid.uuid4().hex}"
         try:
             for ids in prompts:
@@ -303,10 +215,10 @@ class OpenflashServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         adapter = self.check_model(body.model)
-        options = self.chat_options(body)
-        prompt = await self.off_loop(self.chat_prompt, body.messages, options)
+        options = self.prompts.chat_options(body)
+        prompt = await self.off_loop(self.prompts.chat, body.messages, options)
         ids = prompt.ids
-        self.check_ids(ids, "messages")
+        self.prompts.check_ids(ids, "messages")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
             max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
@@ -360,10 +272,10 @@ class OpenflashServer:
         self.check_model(body.model)
         image_tokens = 0
         if body.messages is not None:
-            prompt = await self.off_loop(self.chat_prompt, body.messages, ChatOptions(self.config.thinking_default))
+            prompt = await self.off_loop(self.prompts.chat, body.messages, ChatOptions(self.config.thinking_default))
             ids, image_tokens = prompt.ids, sum(p.image.num_tokens for p in prompt.images)
         else:
-            ids = await self.off_loop(self.encode, body.prompt)
+            ids = await self.off_loop(self.prompts.encode, body.prompt)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context,
                                 image_tokens=image_tokens)
 
