@@ -11,7 +11,8 @@ be built, or the CPU lacks AVX2, `status()` says why and `model/layers.py` keeps
 what every kernel test compares against.
 
 Results equal dequantize-then-fp32-matmul to fp32 summation order (lanes, then a horizontal sum); the integer
-products sum each 32-group exactly before the one rounding of its scale.
+products sum each 32-group's products exactly, 8 to a lane, before the one rounding of its scale (a lane past
+2^24 rounds once more on its way to fp32, as an fp32 addition would).
 """
 
 from __future__ import annotations
