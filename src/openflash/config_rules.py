@@ -3,16 +3,14 @@ a ConfigError naming the key and value at fault, so a wrong config.json is refus
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from openflash.errors import ConfigError
 
-if TYPE_CHECKING:
-    from openflash.config import FlashConfig
 
-
-def validate(cfg: FlashConfig) -> None:
-    """Raise ConfigError naming the key and value of the first inconsistency."""
+def validate(cfg: Any) -> None:
+    """Raise ConfigError naming the key and value of the first inconsistency of `cfg`, a FlashConfig being built
+    (typed loosely: config.py calls this, so importing its class here would make a circle)."""
     n = cfg.num_hidden_layers
 
     def fail(message: str) -> None:
