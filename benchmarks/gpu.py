@@ -3,7 +3,7 @@
     python benchmarks/gpu.py [--budget-s 470] [--cut-dir /tmp/openflash-cut] [--skip NAME ...] [--dry-run]
 
 Runs from a checkout where PyTorch with CUDA is installed (PYTHONPATH=src, no `make`), prints one table and writes
-benchmarks/results/gpu.json. Sections, each timed against what is left of the budget (one that would not fit is
+benchmarks/results/gpu.json (a dry run: the temp folder). Sections, each timed against what is left of the budget (one that would not fit is
 skipped and says so):
 
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 
 if "--dry-run" in sys.argv:  # the Triton kernels on CPU tensors: the interpreter, on before Triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -326,12 +327,15 @@ def main() -> int:
     ap.add_argument("--cut-dir", default="/tmp/openflash-cut", help="where the released-width cut is written")
     ap.add_argument("--skip", nargs="*", default=[], help="sections to leave out")
     ap.add_argument("--dry-run", action="store_true", help="every section on the CPU at toy sizes")
-    ap.add_argument("--out", default=str(RESULTS / "gpu.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default: benchmarks/results/gpu.json; a dry run's go to the temp folder)")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA device (--dry-run checks it on the CPU)", file=sys.stderr)
         return 2
-    b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run, Path(args.out))
+    default = Path(tempfile.gettempdir()) / "openflash-gpu-dry-run.json" if args.dry_run else RESULTS / "gpu.json"
+    out = Path(args.out) if args.out else default  # a dry run's toy figures never land in the results folder
+    b = Bench(torch.device("cuda" if not args.dry_run else "cpu"), args.budget_s, args.dry_run, out)
     sections = [("hardware", 5, hardware), ("kernels", 30, kernels), ("parity", 60, parity), ("decode", 90, decode),
                 ("released", 150, lambda bb: released(bb, Path(args.cut_dir))), ("engine", 90, engine),
                 ("train", 30, train)]
