@@ -3,8 +3,8 @@
     python benchmarks/gpu.py [--budget-s 470] [--cut-dir /tmp/openflash-cut] [--skip NAME ...] [--dry-run]
 
 Runs from a checkout where PyTorch with CUDA is installed (PYTHONPATH=src, no `make`), prints one table and writes
-benchmarks/results/gpu.json (a dry run: the temp folder). Sections, each timed against what is left of the budget (one that would not fit is
-skipped and says so):
+benchmarks/results/gpu.json (a dry run: the temp folder). Sections, each timed against what is left of the budget
+(one that would not fit is skipped and says so):
 
 - hardware: a device-to-device copy (GB/s) and a bf16 matmul (TFLOP/s) measured here, the ceilings below;
 - kernels (gpu_kernels.py): the Triton kernels at released shapes beside the PyTorch paths they replace: products
