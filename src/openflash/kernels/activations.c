@@ -115,28 +115,27 @@ AVX2 void fp4_int_planes(const float *x, uint8_t *out, int rows, int K) {
         for (int g = 0; g < G; g++) {
             __m256 q[4];
             const float s = qdq_group(x + (size_t)r * K + 32 * g, q);
-            __m256i n[4], negative[4], plane[4];
+            __m256i n[4], sign[4], plane[4];
             __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
             for (int i = 0; i < 4; i++) {
                 const __m256 a = _mm256_mul_ps(_mm256_and_ps(q[i], magnitude), _mm256_set1_ps(512.0f));
                 finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(448.0f * 512.0f), _CMP_LE_OQ));
-                n[i] = _mm256_cvttps_epi32(a);
-                negative[i] = _mm256_srai_epi32(_mm256_castps_si256(q[i]), 31); /* -1 where the sign bit is set */
+                n[i] = _mm256_cvttps_epi32(a); /* |value| * 512 */
+                sign[i] = _mm256_castps_si256(q[i]); /* VPSIGND reads the float's sign bit as the int's */
             }
             const int ok = _mm256_movemask_ps(finite) == 0xFF;
+            if (!ok)
+                for (int i = 0; i < 4; i++) n[i] = _mm256_setzero_si256();
             uint8_t *pair = pairs + (size_t)(g / 2) * 224;
-            for (int i = 0; i < 4; i++) /* sign * n, as (n ^ -1) - -1 = -n */
-                n[i] = ok ? _mm256_sub_epi32(_mm256_xor_si256(n[i], negative[i]), negative[i]) : _mm256_setzero_si256();
             for (int slot = 0; slot < 3; slot++) {
-                for (int i = 0; i < 4; i++) { /* the magnitude's bits 6 slot .. 6 slot + 5, signed */
-                    const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(_mm256_abs_epi32(n[i]), 6 * slot),
-                                                          _mm256_set1_epi32(63));
-                    plane[i] = _mm256_sign_epi32(bits, n[i]);
-                }
+                for (int i = 0; i < 4; i++) /* bits 6 slot .. 6 slot + 5 of the magnitude, signed */
+                    plane[i] = _mm256_sign_epi32(_mm256_and_si256(_mm256_srli_epi32(n[i], 6 * slot),
+                                                                  _mm256_set1_epi32(63)), sign[i]);
                 const __m256i bytes = even_odd_bytes(plane);
                 _mm_storeu_si128((__m128i *)(pair + 64 * slot + 16 * (g % 2)), _mm256_castsi256_si128(bytes));
                 _mm_storeu_si128((__m128i *)(pair + 64 * slot + 32 + 16 * (g % 2)), _mm256_extracti128_si256(bytes, 1));
             }
+            for (int i = 0; i < 4; i++) n[i] = _mm256_sign_epi32(n[i], sign[i]);
             _mm_storeu_si128((__m128i *)(pair + 192 + 16 * (g % 2)), _mm_mullo_epi32(lane_sums(n), _mm_set1_epi32(12)));
             for (int i = 0; i < 4; i++) scales[8 * (g / 2) + 4 * (g % 2) + i] = ok ? s * (1.0f / 1024.0f) : NAN;
         }
