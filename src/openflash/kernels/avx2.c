@@ -134,8 +134,11 @@ AVX2 void avx2_fp4_gemv(const float *x, const uint8_t *w, const uint8_t *scale, 
  * where the floats do once (docs/benchmarks.md). */
 
 /* The integer products go through a group faster than the float ones: they ask further ahead (2 KiB: on a 2-core
- * Xeon the one-row w1/w3 product took 0.37-0.39 ms with it, 0.41 with 1 KiB, 0.43 with 4 KiB, docs/benchmarks.md). */
+ * Xeon the streamed one-row w1/w3 product took 0.35-0.37 ms with it, 0.44-0.45 with 1 KiB, 0.36 with 4 KiB;
+ * benchmarks/native_stream.c, docs/benchmarks.md). */
+#ifndef INT_PREFETCH_BYTES /* benchmarks/native_stream.c builds other distances */
 #define INT_PREFETCH_BYTES 2048
+#endif
 
 /* Two groups' weights as VPMADDUBSW's unsigned operand, from their 32 bytes (`odd`: the high nibbles): twice the
  * E2M1 value plus 12 (0 .. 24), so that the signed activations need no sign instructions; the 12 times the
