@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -313,6 +314,40 @@ def test_muon_and_time_limit(dataset: Path, tmp_path: Path) -> None:
                             eval_every=0)
     assert trainer.step == 1 and math.isfinite(records[0]["loss"])  # the deadline passed during step 1
     assert latest_checkpoint(tmp_path / "muon").name == "step_00000001"
+
+
+def test_a_time_budget_is_a_deadline_whatever_the_first_steps_cost(dataset: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first steps slow (a busy machine: 0.5 s each on the trainer's clock), the rest fast (0.1 s): the run
+    trains on to its deadline, planning again as the pace changes, rather than stopping at the count the slow steps
+    fitted (make demo stopped after 3 of its 10 minutes). The clock is the test's, so the machine's speed does not
+    matter."""
+    import openflash.train.trainer as trainer_module
+
+    clock = [0.0]
+
+    def monotonic() -> float:
+        clock[0] += 1e-6  # (a step's own timing sees time pass)
+        return clock[0]
+
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=monotonic))
+    budget, slow = 6.0, 6
+    trainer = Trainer(TrainConfig(**dict(SMALL_RUN, data=str(dataset), out=str(tmp_path / "budget"), steps=1_000_000,
+                                         max_minutes=budget / 60, steps_from_budget=True, eval_every=0,
+                                         save_every=0)))
+    step = trainer.train_step
+
+    def busy_then_quiet() -> dict:
+        record = step()
+        record["step_seconds"] = 0.5 if trainer.step <= slow else 0.1
+        clock[0] += record["step_seconds"]
+        return record
+
+    trainer.train_step = busy_then_quiet
+    result = trainer.fit()
+    assert result.stopped_by in ("steps", "time")
+    assert clock[0] > budget - 2.5, f"stopped at {clock[0]:.1f} s of {budget} s, step {trainer.step}"
+    assert trainer.step >= slow + (budget - 2.5 - slow * 0.5) / 0.1
 
 
 def test_run_folder_errors(dataset: Path, tmp_path: Path) -> None:

@@ -65,9 +65,9 @@ from openflash.train.sharded import full_optimizer_state, load_full_optimizer_st
 from openflash.train.threads import ThreadTuner
 from openflash.train.tuning import Built, RunModel, tuning_for
 
-# A time-budgeted run plans its step count after these many steps of the invocation (the median step time so
-# far, first step excluded), re-planning while less than half of the budget is spent: early plans see few steps.
-PLAN_AT_STEPS = (4, 12, 30, 60, 100)
+# A time-budgeted run plans its step count from its PLAN_FROM-th step of the invocation on, after every step, at the
+# recent pace: the median of the last PACE_WINDOW steps (the first step excluded: it warms caches up).
+PLAN_FROM, PACE_WINDOW = 4, 20
 
 log = logging.getLogger("openflash.train")
 
@@ -191,7 +191,6 @@ class Trainer:
         self._fit_start: float | None = None
         self._last_eval_step = -1
         self.last_val_loss: float | None = None
-        self.budget_fixed = False  # a time-budgeted run has fixed its step count
         self.stop = StopRequest(announce=self.ctx.is_main)
         self._last_saved_step = -1
         self._eval_seconds = 0.0
@@ -396,19 +395,22 @@ class Trainer:
 
     # ---- time budget -----------------------------------------------------------------------------------------
     def _plan_budget(self, step_times: list[float], deadline: float) -> bool:
-        """At the PLAN_AT_STEPS points, set the total step count to what fits before the deadline, leaving time
-        for the evaluations and checkpoints still to come. Returns whether it planned."""
-        now = time.monotonic()
-        if len(step_times) not in PLAN_AT_STEPS or (self.budget_fixed and now - self._fit_start > (deadline - now)):
+        """Set the total step count to what fits before the deadline at the recent pace, leaving time for the
+        evaluations and checkpoints still to come; returns whether the count changed. Planned again after every
+        step, so the budget is a deadline rather than a count fixed early: steps slowed at the start (a busy
+        machine, cold caches) shorten the plan only until they speed up, and the learning-rate schedule follows."""
+        if len(step_times) < PLAN_FROM:
             return False
-        per_step = statistics.median(step_times[1:])  # first step excluded; the median ignores probes and evals
+        now = time.monotonic()
+        per_step = statistics.median(step_times[1:][-PACE_WINDOW:])  # the median ignores probes and evaluations
         steps_left = (deadline - now) / per_step
         evals = (steps_left // self.cfg.eval_every if self.cfg.eval_every else 0) + 1
         saves = (steps_left // self.cfg.save_every if self.cfg.save_every else 0) + 1
         reserve = evals * self._eval_seconds + saves * max(self._save_seconds, 1.0)
-        self.schedule.total = self.step + max(1, int((deadline - now - reserve) / per_step))
-        self.budget_fixed = True
-        return True
+        total = self.step + max(1, int((deadline - now - reserve) / per_step))
+        changed = total != self.schedule.total
+        self.schedule.total = total
+        return changed
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
