@@ -39,12 +39,15 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist (`make test`: a worker per core), each worker gets its share of the cores for torch's
-    intra-op threads: OpenMP threads of several processes spinning on the same cores slow every one of them. For
-    the same reason inductor compiles in each worker's own process (no pool of compile processes per worker)."""
+    intra-op threads: OpenMP threads of several processes spinning on the same cores slow every one of them. So do
+    the processes a test starts (servers, training runs, torchrun workers): they inherit the share through
+    OMP_NUM_THREADS, set here rather than by whoever types `make test`. For the same reason inductor compiles in
+    each worker's own process (no pool of compile processes per worker)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        share = max(1, (os.cpu_count() or 1) // workers)
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
         torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
         import torch._inductor.config as inductor
 
         inductor.compile_threads = share
