@@ -179,6 +179,10 @@ def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
     records = _metrics(train_dir)
     evals = [r for r in records if "val_loss" in r]
     result: dict = {"steps": max((r["step"] for r in records if "loss" in r), default=0)}
+    checkpoint = latest_checkpoint(train_dir)
+    if checkpoint is not None:
+        result["minutes"] = float(read_trainer_state(checkpoint)["trained_seconds"]) / 60.0
+        _say(cfg, f"      trained {result['steps']} steps in {result['minutes']:.1f} of {cfg.minutes:g} min")
     if evals:
         before, after = evals[0], evals[-1]
         result["val_loss_before"], result["val_loss_after"] = before["val_loss"], after["val_loss"]
