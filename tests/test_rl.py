@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,6 +322,54 @@ def test_sandbox_limits_score_zero_and_leave_nothing_behind(code, why):
     assert box.network in ("namespace", "python guard")
     left = [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p)]
     assert not left, f"sandbox processes left running: {left}"
+
+
+HOSTILE = {
+    "write_outside": "open({canary!r}, 'w').write('owned')\nopen('/usr/owned', 'w').write('x')\n",
+    "delete_outside": "import os\nos.remove({canary!r})\n",
+    "read_host_file": "raise RuntimeError(open('/etc/passwd').read())\n",
+    "kill_the_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)\n",
+    "daemon": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+               "        time.sleep(60)\n    os._exit(0)\n"),
+    "unix_socket": ("import _socket\ns = _socket.socket(_socket.AF_UNIX)\ns.connect({socket_path!r})\n"
+                    "s.send(b'hello')\n"),
+    "forge_report_high": "import os\nos.write(4, b'pass x\\n' * 1000 + b'{{\"passed\": 1000000, \"total\": 1}}\\n')\n",
+    "forge_list": "import os\nos.write(4, b'[1, 2, 3]\\n')\nos._exit(0)\n",
+    "forge_string": "import os\nos.write(4, b'\"passed\"\\npass\\n')\nos._exit(0)\n",
+    "forge_inf": "import os\nos.write(4, b'{{\"passed\": Infinity, \"total\": 1}}\\n')\nos._exit(0)\n",
+    "forge_huge": "import os\nos.write(4, b'{{\"passed\": ' + b'9' * 5000 + b'}}\\n')\nos._exit(0)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_code_scores_zero_and_leaves_the_host_unchanged(name, tmp_path):
+    """Code that writes, deletes or reads the host's files, kills its parent, leaves a daemon, talks to a host Unix
+    socket or forges the harness's report (five shapes): scores 0, and the host is as it was (the canary file, the
+    socket silent, no sandbox process left)."""
+    import socket as host_socket
+
+    canary = tmp_path / "canary.txt"
+    canary.write_text("untouched")
+    os.chmod(tmp_path, 0o777)
+    server = host_socket.socket(host_socket.AF_UNIX)
+    server.bind(str(tmp_path / "host.sock"))
+    server.listen(1)
+    server.setblocking(False)
+    code = HOSTILE[name].format(canary=str(canary), socket_path=str(tmp_path / "host.sock"))
+    outcome = Sandbox(timeout=3.0).run(code, ["assert False", "assert False"])
+    assert outcome.score == 0.0, outcome
+    assert "root:" not in (outcome.problem or "")
+    assert canary.read_text() == "untouched" and not Path("/usr/owned").exists()
+    with pytest.raises(BlockingIOError):
+        server.accept()
+    server.close()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p)]
+
+
+def test_the_score_counts_only_the_harness_s_tokens():
+    """A completion that passes one test of two and writes its own claims on the report scores 1/2."""
+    code = ADD + "import os\nos.write(4, b'pass 0\\npass 1\\n')\n"
+    assert Sandbox(timeout=5.0).run(code, ["assert add(1, 1) == 2", "assert add(1, 1) == 3"]).score == 0.5
 
 
 def _is_sandbox(pid: str) -> bool:

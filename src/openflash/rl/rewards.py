@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 from openflash.chat.completion import parse_completion
 from openflash.chat.conversation import Content
 from openflash.errors import OpenflashError
-from openflash.rl.sandbox import Sandbox
+from openflash.rl.sandbox import Sandbox, require
 from openflash.rl.tasks import Task
 from openflash.rl.user_code import import_function
 
@@ -112,6 +112,7 @@ def make_reward(spec: str, answer_pattern: str | None = None, timeout: float = 5
     if answer_pattern is not None:
         raise OpenflashError("--answer-pattern goes with --reward exact")
     if spec == "tests":
+        require()  # refused at start, in one line, where the kernel cannot isolate the tested code
         return UnitTests(Sandbox(timeout, memory))
     if ":" not in spec:
         raise OpenflashError(f"--reward must be exact, tests or MODULE:FUNCTION, got {spec!r}")
