@@ -11,6 +11,9 @@ from openflash.errors import OpenflashError
 RESUME_FIXED = ("init", "lora", "lora_alpha", "lora_targets", "tasks", "reward", "group_size", "prompts_per_step",
                 "seed")
 AGGREGATIONS = ("token", "sequence")
+# A step's rollouts are sampled together, each with its own cache; past these a step would not fit a machine's memory
+# at any width worth training, and a typo (a group of a billion) would hang for minutes before failing.
+MAX_GROUP_SIZE, MAX_ROLLOUTS = 1024, 16384
 
 
 @dataclass
@@ -82,6 +85,15 @@ class RLConfig:
             raise OpenflashError(f"--clip-low must be below 1 (the ratio's floor is 1 - clip-low), got {self.clip_low}")
         if self.aggregation not in AGGREGATIONS:
             raise OpenflashError(f"--aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float))
+                                                and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise OpenflashError(f"--lora-alpha must be a positive number, got {self.lora_alpha!r}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise OpenflashError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if self.group_size > MAX_GROUP_SIZE or self.rollouts_per_step > MAX_ROLLOUTS:
+            raise OpenflashError(f"--group-size {self.group_size} x --prompts-per-step {self.prompts_per_step} = "
+                                 f"{self.rollouts_per_step} rollouts a step: at most {MAX_ROLLOUTS} (and a group of "
+                                 f"at most {MAX_GROUP_SIZE}), each holding its cache while the step samples")
         if self.reward_memory < 64 << 20:
             raise OpenflashError(f"--reward-memory must be at least 64MiB (a Python interpreter), got "
                                  f"{self.reward_memory}")

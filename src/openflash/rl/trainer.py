@@ -200,7 +200,7 @@ class RLTrainer:
             return None
         score = self.reward(rollout.task, rollout.text)
         if score.problem is not None and score.value == 0:
-            log.info("%s: reward 0: %s", rollout.task.where, score.problem)
+            log.warning("%s: reward 0: %s", rollout.task.where, score.problem)
         return score.value + overlong_penalty(rollout.generated, self.cfg.max_tokens,
                                               self.cfg.overlong_buffer)
 
@@ -262,8 +262,17 @@ class RLTrainer:
             grad_norm = max(grad_norm, float(norm))
             if not math.isfinite(float(norm)):
                 raise OpenflashError(f"the RL gradient became {float(norm)} at step {self.step + 1}; lower --lr "
-                                     f"(now {cfg.lr})")
+                                     f"(now {cfg.lr}); the last checkpoint is kept")
+            # The first mini-batch's ratio is 1 everywhere (old = current), so nothing is clipped: a zero gradient
+            # with non-zero advantages means saturated logits (an adapter blown up by the learning rate).
+            if minibatch is minibatches[0] and float(norm) == 0 and any(samples[i][1] != 0 for i in minibatch):
+                raise OpenflashError(f"the RL update collapsed at step {self.step + 1}: gradient 0 with non-zero "
+                                     f"advantages (saturated logits); lower --lr (now {cfg.lr}); the last "
+                                     "checkpoint is kept")
             self.optimizer.step()
+            if not all(bool(torch.isfinite(p).all()) for p in self.params):
+                raise OpenflashError(f"the adapter's weights became non-finite at step {self.step + 1}; lower --lr "
+                                     f"(now {cfg.lr}); the last checkpoint is kept")
         reset_expert_loads(self.model)
         tokens = max(totals["tokens"], 1)
         return {"policy_loss": _round(totals["loss"] / len([m for m in minibatches if m])),
