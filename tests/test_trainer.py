@@ -27,7 +27,7 @@ from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.prepare import prepare_dataset
-from openflash.train.threads import ThreadTuner
+from openflash.threads import ThreadTuner
 from openflash.train.tokenizer import train_bpe_tokenizer
 from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 

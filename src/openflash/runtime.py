@@ -46,6 +46,7 @@ from openflash.model.lora import BASE, AdapterSelection
 from openflash.model.numerics import Numerics
 from openflash.model.transformer import ForwardOutput, TargetHidden, Transformer, check_lengths
 from openflash.model.vision import ImageRows
+from openflash.threads import StepThreads
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import PromptImage, text_prompt
@@ -72,6 +73,7 @@ class Runtime:
     adapters: AdapterSelection | None = None  # served LoRA adapters (load_adapters); a step's rows pick theirs
     adapter_keys: list[int] = field(default_factory=list)  # per adapter: a digest of its product (prefix-cache keys)
     _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # exported tables, disk tier
+    decode_threads: StepThreads = field(default_factory=StepThreads, repr=False)  # the CPU decode steps' threads
 
     @classmethod
     def of(cls, model: Transformer, tokenizer: Tokenizer | None = None, *, frontend: EngramFrontend | None = None,
@@ -221,8 +223,12 @@ class Runtime:
         return rows
 
     def decode(self, tokens: torch.Tensor, cache: ModelCache, adapters: Sequence[int] | None = None) -> torch.Tensor:
-        """One token per row (tokens [B] or [B, 1]) at each row's own position; logits [B, V]."""
-        return self.step(tokens.reshape(-1, 1), cache, adapters=adapters)
+        """One token per row (tokens [B] or [B, 1]) at each row's own position; logits [B, V]. On the CPU at the
+        thread count measured fastest for this batch size (threads.py: a machine shared with other processes)."""
+        def step() -> torch.Tensor:
+            return self.step(tokens.reshape(-1, 1), cache, adapters=adapters)
+
+        return self.decode_threads.run(tokens.numel(), step) if self.device.type == "cpu" else step()
 
     def speculate(self, logits: torch.Tensor, cache: ModelCache, k: int) -> None:
         """Start fetching the Engram rows of each row's k likeliest next tokens (EngramMemory.speculate)."""

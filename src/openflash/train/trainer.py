@@ -62,7 +62,7 @@ from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.sharded import full_optimizer_state, load_full_optimizer_state
-from openflash.train.threads import ThreadTuner
+from openflash.threads import ThreadTuner
 from openflash.train.tuning import Built, RunModel, tuning_for
 
 # A time-budgeted run plans its step count from its PLAN_FROM-th step of the invocation on, after every step, at the
