@@ -320,7 +320,7 @@ def test_sandbox_limits_score_zero_and_leave_nothing_behind(code, why):
     assert outcome.score == 0.0 and why in outcome.problem, outcome
     assert time.monotonic() - start < 10
     assert box.network in ("namespace", "python guard")
-    left = [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p)]
+    left = _left_running()
     assert not left, f"sandbox processes left running: {left}"
 
 
@@ -363,13 +363,35 @@ def test_hostile_code_scores_zero_and_leaves_the_host_unchanged(name, tmp_path):
     with pytest.raises(BlockingIOError):
         server.accept()
     server.close()
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p)]
+    assert not _left_running()
 
 
 def test_the_score_counts_only_the_harness_s_tokens():
     """A completion that passes one test of two and writes its own claims on the report scores 1/2."""
     code = ADD + "import os\nos.write(4, b'pass 0\\npass 1\\n')\n"
     assert Sandbox(timeout=5.0).run(code, ["assert add(1, 1) == 2", "assert add(1, 1) == 3"]).score == 0.5
+
+
+def _left_running() -> list[str]:
+    """This process's sandbox processes still running: below it, or orphaned to init (not another pytest worker's
+    sandboxes, which may be running meanwhile)."""
+    return [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox(p) and _ours_or_orphaned(int(p))]
+
+
+def _ours_or_orphaned(pid: int) -> bool:
+    """Whether `pid` descends from this process, or was orphaned to init (its parent is pid 1)."""
+    for hop in range(64):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if parent == os.getpid() or (hop == 0 and parent == 1):
+            return True
+        if parent <= 1:
+            return False
+        pid = parent
+    return False
 
 
 def _is_sandbox(pid: str) -> bool:
@@ -483,8 +505,20 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
 def test_rl_refuses_bad_arguments_by_flag(tmp_path):
     for kw, flag in ((dict(group_size=1), "--group-size"), (dict(clip_low=1.0), "--clip-low"),
                      (dict(overlong_buffer=2), "--overlong-buffer"), (dict(aggregation="mean"), "--aggregation"),
-                     (dict(lr=float("nan")), "--lr")):
+                     (dict(lr=float("nan")), "--lr"), (dict(lora_alpha=float("nan")), "--lora-alpha"),
+                     (dict(lora_alpha=float("inf")), "--lora-alpha"), (dict(seed=2 ** 63), "--seed"),
+                     (dict(group_size=1_000_000_000), "--group-size"),
+                     (dict(prompts_per_step=10_000_000), "--prompts-per-step")):
         with pytest.raises(OpenflashError, match=flag):
             _config(tmp_path, "bad", **kw)
     with pytest.raises(OpenflashError, match="no 'tests' field"):
         RLTrainer(_config(tmp_path, "tests", reward="tests"))
+
+
+def test_a_blown_up_update_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    """--lr 1e10: the adapter is garbage after the first update. The run stops with one line naming --lr at the
+    step that diverged, not at the end with rc 0, and the checkpoint on disk is the last good one."""
+    trainer = RLTrainer(_config(tmp_path, "blown", lr=1e10, steps=4, save_every=1))
+    with pytest.raises(OpenflashError, match="lower --lr"):
+        trainer.fit()
+    assert trainer.step <= 2

@@ -7,7 +7,9 @@ read-only view of /usr and the interpreter's prefix only (no /etc, no home, no r
 minimal /dev. No network interface is up and abstract Unix sockets are per network namespace, so it reaches no
 socket of the host. Every process it starts dies with the namespace's first one, and that with the trainer
 (--die-with-parent). A first Python inside sets CPU seconds, address space, file size, open files, core dumps and
-processes, then becomes the harness; a wall-clock timeout kills the whole namespace.
+processes, then becomes the harness; a wall-clock timeout kills the whole namespace. Under root, bwrap runs as
+nobody where nobody can reach the interpreter; where it cannot (a Python under /root), the namespace's uid maps
+to root outside, where the kernel does not apply the process limit: the timeout and the kill bound a fork bomb.
 
 The score is computed here, never read from the child: each test gets a random token, handed to the harness on a
 pipe before the completion's code runs, and the harness writes a test's token only after the test passed. The score
@@ -144,6 +146,21 @@ def _isolation() -> list[str]:
                    "/sandbox"]
 
 
+@lru_cache(maxsize=None)
+def _nobody_can_run() -> bool:
+    """Whether we are root and nobody can reach and run bwrap and the interpreter (every folder on the way
+    searchable by others, the files readable and executable by them)."""
+    if os.geteuid() != 0:
+        return False
+    for path in (Path(bwrap_path() or "/"), Path(_python())):
+        try:
+            if path.stat().st_mode & 0o005 != 0o005 or not all(p.stat().st_mode & 0o001 for p in path.parents):
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
     os.write(fd, data)
@@ -186,10 +203,13 @@ class Sandbox:
         inner = [_python(), "-I", "-c", LIMITS, json.dumps(limits)]
         info_read, info_write = os.pipe()  # bwrap writes its namespace's first process there (host pid)
         try:
+            # Under root, bwrap itself runs as nobody where nobody can reach the interpreter: then the sandbox is
+            # nobody on the host too and the process limit holds (the kernel does not count root's processes).
+            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if _nobody_can_run() else {}
             proc = subprocess.Popen([bwrap_path(), "--info-fd", str(info_write), *_isolation(), *files, *inner],
                                     stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                     pass_fds=(*fds.values(), token_read, report_write, info_write),
-                                    start_new_session=True, env={"PATH": "/usr/bin:/bin"})
+                                    start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **drop)
         finally:
             os.close(report_write)
             os.close(info_write)
@@ -253,7 +273,7 @@ def _child_pid(info: bytes) -> int | None:
 
 def _kill(proc: subprocess.Popen, child: int | None) -> None:
     """SIGKILL the namespace's first process (the kernel then kills every process in the namespace) and bwrap's
-    session, then wait until no process of the namespace runs (2 s at most: they are not our children to reap)."""
+    session, then kill what is left of the namespace until nothing runs (10 s at most: not our children to reap)."""
     namespace = _pid_namespace(child) if child else None
     for kill in ((lambda: os.kill(child, signal.SIGKILL)) if child else None,
                  lambda: os.killpg(proc.pid, signal.SIGKILL)):
@@ -263,7 +283,7 @@ def _kill(proc: subprocess.Popen, child: int | None) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait()
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 10.0
     while namespace and _alive_in(namespace, kill=True) and time.monotonic() < deadline:
         time.sleep(0.005)
 
