@@ -167,11 +167,18 @@ def test_rewards_exact_and_user_functions(tmp_path):
     module = tmp_path / "my_reward.py"
     module.write_text("def length(task, completion):\n    return len(completion) / task['scale']\n"
                       "def broken(task, completion):\n    raise KeyError('oops')\n"
-                      "def nan(task, completion):\n    return float('nan')\n")
+                      "def nan(task, completion):\n    return float('nan')\n"
+                      "def slow(task, completion):\n    import time\n    time.sleep(30)\n"
+                      "def leave(task, completion):\n    import sys\n    sys.exit(0)\n")
     assert make_reward(f"{module}:length")(_task({"scale": 4}), "ab").value == 0.5
     score = make_reward(f"{module}:broken")(_task({}), "ab")
     assert score.value == 0.0 and "raised KeyError" in score.problem
     assert "not a finite number" in make_reward(f"{module}:nan")(_task({}), "x").problem
+    started = time.monotonic()
+    late = make_reward(f"{module}:slow", timeout=0.5)(_task({}), "x")
+    assert late.value == 0.0 and "took more than 0.5 s" in late.problem and time.monotonic() - started < 5
+    exited = make_reward(f"{module}:leave")(_task({}), "x")  # ends its own thread, not the run
+    assert exited.value == 0.0 and "raised SystemExit" in exited.problem
     with pytest.raises(OpenflashError, match="has no function 'missing'"):
         make_reward(f"{module}:missing")
     with pytest.raises(OpenflashError, match="cannot import no_such_module"):

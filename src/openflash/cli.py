@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the loss averaged over all completion tokens (DAPO) or per sequence first (GRPO)")
     rl.add_argument("--answer-pattern", default=None, metavar="REGEX",
                     help="with --reward exact: the answer is this pattern's last match (its group 1 if it has one)")
-    rl.add_argument("--reward-timeout", type=float, default=5.0, help="with --reward tests: seconds per run")
+    rl.add_argument("--reward-timeout", type=float, default=5.0,
+                    help="seconds a reward may take (a sandboxed tests run, a MODULE:FUNCTION call); later scores 0")
     rl.add_argument("--reward-memory", type=size_bytes, default=512 << 20, metavar="SIZE",
                     help=f"with --reward tests: address space per run; {SIZE_HELP}")
     rl.add_argument("--eval-tasks", default=None, metavar="TASKS.jsonl",

@@ -7,14 +7,15 @@
   code (its last ```python block, else the whole answer) in the sandbox (rl/sandbox.py); the share that passes.
 - `MODULE:FUNCTION`: a user's function `f(task_fields: dict, completion: str) -> float`, imported once.
 
-A reward that raises or returns something that is not a finite number scores 0, and the problem is kept for the
-log; it never stops training.
+A reward that raises, exits, runs past `--reward-timeout` or returns something that is not a finite number scores 0,
+and the problem is logged; it never stops training.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -89,13 +90,29 @@ class UnitTests:
 class UserReward:
     name: str
     function: Callable[[dict[str, Any], str], Any]
+    timeout: float = 5.0  # seconds a call may take (--reward-timeout)
     needs: str | None = None
 
     def __call__(self, task: Task, completion: str) -> Score:
-        try:
-            value = self.function(dict(task.fields), completion)
-        except Exception as exc:  # a user's bug scores this sample 0; training goes on
+        # In a thread of its own: a call that hangs scores 0 after the timeout (the thread is left to finish; Python
+        # cannot stop it), and one that calls sys.exit ends that thread, not the run.
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["value"] = self.function(dict(task.fields), completion)
+            except BaseException as exc:  # a user's bug (or exit) scores this sample 0; training goes on
+                result["error"] = exc
+
+        worker = threading.Thread(target=call, name=f"reward {self.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return Score(0.0, f"{self.name} took more than {self.timeout:g} s (--reward-timeout)")
+        if "error" in result:
+            exc = result["error"]
             return Score(0.0, f"{self.name} raised {type(exc).__name__}: {exc}")
+        value = result["value"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return Score(0.0, f"{self.name} returned {value!r}, not a finite number")
         return Score(float(value))
@@ -116,4 +133,4 @@ def make_reward(spec: str, answer_pattern: str | None = None, timeout: float = 5
         return UnitTests(Sandbox(timeout, memory))
     if ":" not in spec:
         raise OpenflashError(f"--reward must be exact, tests or MODULE:FUNCTION, got {spec!r}")
-    return UserReward(spec, import_function(spec, "--reward"))
+    return UserReward(spec, import_function(spec, "--reward"), timeout)
