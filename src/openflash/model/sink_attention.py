@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from openflash.kernels.triton_attention import Part  # a kernel's partial softmax: (acc, running max, total)
 
@@ -89,6 +90,12 @@ class _DenseSinkAttention(torch.autograd.Function):
         return dq, d_kv[:, : n1 - 1], None, d_sink, None
 
 
+# Scores a dense training attention holds at once (fp32 elements of [blocks, window, heads, keys]): past this, query
+# blocks go in chunks, each recomputed in the backward (activation checkpointing), so memory stays bounded while
+# the scores grow with the square of the sequence (an RL prompt of 8K tokens on `tiny` asked for 24 GB at once).
+CHUNK_SCORES = 1 << 24
+
+
 def dense_sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: int, compressed_kv: torch.Tensor,
                            picks: torch.Tensor | None, sink: torch.Tensor,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,38 +105,67 @@ def dense_sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: int, compr
     q [B,S,H,D]; kv [B,S,D] the window keys/values of the same positions; compressed_kv [B,T,D]; picks [B,S,K].
     Queries go in blocks of `window`: a block's window keys all lie in its own and the previous block, so each
     block scores 2*window window keys plus every compressed entry (masked to its picks) with large matmuls,
-    instead of gathering each query's entries.
+    instead of gathering each query's entries. Blocks go in chunks of at most CHUNK_SCORES scores; where there is
+    more than one chunk and a gradient is wanted, each chunk's scores are recomputed in the backward.
     """
     B, S, H, D = q.shape
     W, T = window, compressed_kv.shape[1]
     nb = -(-S // W)
     pad = nb * W - S
-    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B * nb, W, H, D)
+    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(B, nb, W, H, D)
     # Block b's keys are positions [bW - W, bW + W): W zero rows in front, then one unfold.
-    keys = F.pad(kv, (0, 0, W, pad)).unfold(1, 2 * W, W).transpose(2, 3).reshape(B * nb, 2 * W, D)
-    i = torch.arange(W, device=q.device).unsqueeze(1)
-    j = torch.arange(2 * W, device=q.device)
-    band = (j > i) & (j <= i + W)  # key position bW - W + j within (p - W, p] of query p = bW + i
-    mask = band.expand(B, nb, W, 2 * W).clone()
-    mask[:, 0] &= j >= W  # block 0: nothing before position 0
-    mask = mask.view(B * nb, W, 2 * W)
+    keys = F.pad(kv, (0, 0, W, pad)).unfold(1, 2 * W, W).transpose(2, 3)  # [B, nb, 2W, D]
+    slot = picked = None
     if picks is not None and T > 0:
         # Picked-entry mask: -1 picks land in a spare column T, dropped after the scatter.
         slot = torch.where(picks >= 0, picks, T)
         picked = torch.zeros(B, S, T + 1, dtype=torch.bool, device=q.device).scatter_(-1, slot, True)[..., :T]
-        picked = F.pad(picked, (0, 0, 0, pad)).view(B * nb, W, T)
-        mask = torch.cat((mask, picked), dim=-1)
-        per_block = compressed_kv.to(kv.dtype).unsqueeze(1).expand(B, nb, T, D).reshape(B * nb, T, D)
-        keys = torch.cat((keys, per_block), dim=1)
-    o, probs = _DenseSinkAttention.apply(qb, keys, mask, sink, scale)
-    o = o.view(B, nb * W, H, D)[:, :S]
+        picked = F.pad(picked, (0, 0, 0, pad)).view(B, nb, W, T)
+        slot = F.pad(slot.clamp(max=T - 1), (0, 0, 0, pad)).view(B, nb, W, -1)
+    compressed = compressed_kv.to(kv.dtype)
+    per_chunk = max(1, CHUNK_SCORES // max(1, B * W * H * (2 * W + (T if picked is not None else 0) + 1)))
+    recompute = nb > per_chunk and torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+    outs, probs = [], []
+    for b0 in range(0, nb, per_chunk):
+        b1 = min(nb, b0 + per_chunk)
+        args = (qb[:, b0:b1], keys[:, b0:b1], compressed, None if picked is None else picked[:, b0:b1],
+                None if slot is None else slot[:, b0:b1], sink, scale, b0 == 0)
+        o, p = checkpoint(_blocks, *args, use_reentrant=False) if recompute else _blocks(*args)
+        outs.append(o)
+        probs.append(p)
+    o = torch.cat(outs, dim=1).view(B, nb * W, H, D)[:, :S]
     if picks is None:
         return o, q.new_zeros(B, S, H, 0)
     if T == 0:
         return o, q.new_zeros(B, S, H, picks.shape[-1])
-    probs = probs[..., 2 * W:].reshape(B, nb * W, H, T)[:, :S]
-    p_picked = probs.gather(-1, slot.clamp(max=T - 1).unsqueeze(2).expand(-1, -1, H, -1))
+    p_picked = torch.cat(probs, dim=1).view(B, nb * W, H, -1)[:, :S]
     return o, p_picked.masked_fill(~(picks >= 0).unsqueeze(2), 0.0)
+
+
+def _blocks(qb: torch.Tensor, keys: torch.Tensor, compressed: torch.Tensor, picked: torch.Tensor | None,
+            slot: torch.Tensor | None, sink: torch.Tensor, scale: float,
+            first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_sparse_attention for n query blocks: qb [B,n,W,H,D], keys [B,n,2W,D], picked [B,n,W,T] (None: no
+    compressed entries), slot [B,n,W,K]; `first`: the chunk holds block 0. Returns (output [B,n,W,H,D], the
+    picked entries' probabilities [B,n,W,H,K] (empty without picks))."""
+    B, n, W, H, D = qb.shape
+    i = torch.arange(W, device=qb.device).unsqueeze(1)
+    j = torch.arange(2 * W, device=qb.device)
+    band = (j > i) & (j <= i + W)  # key position bW - W + j within (p - W, p] of query p = bW + i
+    mask = band.expand(B, n, W, 2 * W).clone()
+    if first:
+        mask[:, 0] &= j >= W  # block 0: nothing before position 0
+    if picked is not None:
+        T = picked.shape[-1]
+        mask = torch.cat((mask, picked), dim=-1)
+        keys = torch.cat((keys, compressed.unsqueeze(1).expand(B, n, T, D)), dim=2)
+    o, probs = _DenseSinkAttention.apply(qb.reshape(B * n, W, H, D), keys.reshape(B * n, -1, D),
+                                         mask.view(B * n, W, -1), sink, scale)
+    o = o.view(B, n, W, H, D)
+    if picked is None:
+        return o, o.new_zeros(B, n, W, H, 0)
+    probs = probs[..., 2 * W:].reshape(B, n, W, H, -1)
+    return o, probs.gather(-1, slot.unsqueeze(3).expand(-1, -1, -1, H, -1))
 
 
 def reference_sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
