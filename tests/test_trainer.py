@@ -146,6 +146,40 @@ def test_router_bias_balancing(dataset: Path) -> None:
 
 # ---- fused training ops ---------------------------------------------------------------------------------------
 
+def test_the_training_attention_in_chunks_equals_it_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dense_sparse_attention with its query blocks in chunks recomputed in the backward (long prompts: memory
+    bounded) against one chunk, in float64: the same outputs, picked probabilities and gradients (q, window keys,
+    compressed entries, sink), and its gradients against finite differences."""
+    from torch.autograd import gradcheck
+
+    import openflash.model.sink_attention as sink_attention
+
+    gen = torch.Generator().manual_seed(4)
+    B, S, H, D, W, T, K = 2, 37, 2, 4, 4, 9, 3
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, kv, compressed, sink = rand(B, S, H, D), rand(B, S, D), rand(B, T, D), rand(H)
+    picks = torch.randint(-1, T, (B, S, K), generator=gen)
+    weight = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
+
+    def run(q, kv, compressed, sink):
+        o, _ = sink_attention.dense_sparse_attention(q, kv, W, compressed, picks, sink, 0.4)
+        return (o * weight).sum()  # (the probabilities are outputs without a gradient)
+
+    def outputs_and_gradients():
+        o, p = sink_attention.dense_sparse_attention(q, kv, W, compressed, picks, sink, 0.4)
+        return o, p, torch.autograd.grad(run(q, kv, compressed, sink), (q, kv, compressed, sink))
+
+    whole = outputs_and_gradients()
+    monkeypatch.setattr(sink_attention, "CHUNK_SCORES", 2 * B * W * H * (2 * W + T + 1))  # 2 blocks a chunk
+    chunked = outputs_and_gradients()
+    for a, b in zip((whole[0], whole[1], *whole[2]), (chunked[0], chunked[1], *chunked[2])):
+        torch.testing.assert_close(a, b)
+    assert gradcheck(run, (q, kv, compressed, sink))
+
+
 def test_fused_ops_have_exact_gradients() -> None:
     """The hand-written backward passes of the training path, against finite differences in float64."""
     from torch.autograd import gradcheck
