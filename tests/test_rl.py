@@ -155,6 +155,12 @@ def test_tasks_name_bad_lines_and_keep_the_good(tiny, tmp_path, caplog):
     empty.write_text("[]\n")
     with pytest.raises(OpenflashError, match="no usable task"):
         read_tasks(empty, tiny.tokenizer, None, None)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "2 + 2 =", "answer": "4"}) + "\n" +
+                    json.dumps({"prompt": "cat dog " * 200, "answer": "4"}) + "\n")
+    kept = read_tasks(long, tiny.tokenizer, None, None, max_prompt_tokens=64)
+    assert [t.where.rsplit(":", 1)[1] for t in kept] == ["1"]
+    assert "long.jsonl:2: the prompt is" in caplog.text and "past --max-prompt-tokens 64" in caplog.text
 
 
 def test_rewards_exact_and_user_functions(tmp_path):

@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--max-tokens", type=int, default=64, help="a completion's token budget (all its turns)")
     rl.add_argument("--max-turns", type=int, default=4,
                     help="turns of an episode whose task names a tool environment (its calls answered between turns)")
+    rl.add_argument("--max-prompt-tokens", type=int, default=8192,
+                    help="tasks whose prompt is longer are named and skipped at load (an update's memory grows with "
+                         "the prompt: docs/benchmarks.md)")
     rl.add_argument("--stop", nargs="+", default=None, metavar="TEXT", help="stop strings ending a completion")
     rl.add_argument("--temperature", type=float, default=1.0, help="the rollouts' sampling temperature")
     rl.add_argument("--lr", type=float, default=1e-4, help="the adapter's learning rate")

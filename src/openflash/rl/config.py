@@ -30,6 +30,7 @@ class RLConfig:
     group_size: int = 8  # G: completions per prompt, whose rewards are compared among themselves
     max_tokens: int = 64  # a completion's token budget (an episode's, over all its turns)
     max_turns: int = 4  # turns of a tool episode (a task without an environment has one)
+    max_prompt_tokens: int = 8192  # longer task prompts are named and skipped at load
     stop: list[str] | None = None  # stop strings ending a completion
     temperature: float = 1.0  # the rollouts' (and the update's log-probs')
     lr: float = 1e-4
@@ -59,8 +60,8 @@ class RLConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "max_turns", "lora",
-                     "updates_per_step", "micro_batch", "keep_checkpoints"):
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "max_turns", "max_prompt_tokens",
+                     "lora", "updates_per_step", "micro_batch", "keep_checkpoints"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise OpenflashError(f"--{name.replace('_', '-')} must be a positive integer, got "
                                      f"{getattr(self, name)!r}")

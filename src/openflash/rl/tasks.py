@@ -48,9 +48,10 @@ class Task:
 
 
 def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: int | None,
-               needs: str | None = None) -> list[Task]:
+               needs: str | None = None, max_prompt_tokens: int | None = None) -> list[Task]:
     """The good tasks of a JSONL file, each with its prompt tokenized; bad lines logged by place and skipped.
-    needs: a field every task must have (the reward's: "answer" or "tests"). OpenflashError when none is good."""
+    needs: a field every task must have (the reward's: "answer" or "tests"); max_prompt_tokens: a longer prompt is
+    a bad line. OpenflashError when none is good."""
     fmt = None
     tasks: list[Task] = []
     bad: list[str] = []
@@ -77,6 +78,8 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
                 raise OpenflashError("neither 'prompt' (text) nor 'messages' (chat)")
             if not ids:
                 raise OpenflashError("the prompt is empty after tokenization")
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise OpenflashError(f"the prompt is {len(ids)} tokens, past --max-prompt-tokens {max_prompt_tokens}")
             environment = None
             if "environment" in record:
                 if not (chat and options.tools) or fmt is None or fmt.name == "simple":
