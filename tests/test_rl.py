@@ -379,6 +379,20 @@ def test_hostile_code_scores_zero_and_leaves_the_host_unchanged(name, tmp_path):
     assert not _left_running()
 
 
+def test_tests_reward_is_refused_in_one_line_where_the_sandbox_cannot_run(monkeypatch):
+    """No bubblewrap (or namespaces refused): --reward tests is refused at start, naming why, instead of running
+    the model's code unconfined."""
+    import openflash.rl.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    sandbox.check.cache_clear()
+    try:
+        with pytest.raises(OpenflashError, match="needs the reward sandbox: bubblewrap is not installed"):
+            make_reward("tests")
+    finally:
+        sandbox.check.cache_clear()
+
+
 def test_the_score_counts_only_the_harness_s_tokens():
     """A completion that passes one test of two and writes its own claims on the report scores 1/2."""
     code = ADD + "import os\nos.write(4, b'pass 0\\npass 1\\n')\n"
@@ -521,7 +535,8 @@ def test_rl_refuses_bad_arguments_by_flag(tmp_path):
                      (dict(lr=float("nan")), "--lr"), (dict(lora_alpha=float("nan")), "--lora-alpha"),
                      (dict(lora_alpha=float("inf")), "--lora-alpha"), (dict(seed=2 ** 63), "--seed"),
                      (dict(group_size=1_000_000_000), "--group-size"),
-                     (dict(prompts_per_step=10_000_000), "--prompts-per-step")):
+                     (dict(prompts_per_step=10_000_000), "--prompts-per-step"),
+                     (dict(max_prompt_tokens=0), "--max-prompt-tokens")):
         with pytest.raises(OpenflashError, match=flag):
             _config(tmp_path, "bad", **kw)
     with pytest.raises(OpenflashError, match="no 'tests' field"):
