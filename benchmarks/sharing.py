@@ -2,11 +2,11 @@
 released expert shapes (weights past the cache) and `small`'s greedy decode, quiet and then beside a busy loop
 this script starts itself, side by side in one run.
 
-    python benchmarks/sharing.py [--what products decode] [--out benchmarks/results/sharing.json]
+    python benchmarks/sharing.py [--what products decode] [--tokens 64] [--out benchmarks/results/sharing.json]
 
 Products: 100 copies of each shape cycled (benchmarks/kernels.py `stored_linear`, `time_products`), five
 measurements of three passes each; decode: `generate` of 64 tokens after a 64-token prompt, three times after a
-warm-up, ms a token. Each figure is "best / median". The busy loop is a child `python -c "while True: pass"`.
+warm-up, ms a token (`--tokens`: how many). Each figure is "best / median". The busy loop is a child `python -c "while True: pass"`.
 """
 
 from __future__ import annotations
@@ -38,21 +38,24 @@ def products() -> dict[str, str]:
     return out
 
 
-def decode(runtime) -> dict[str, str]:
+def decode(runtime, tokens: int) -> dict[str, str]:
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
 
-    prompt, params = list(range(3, 67)), SamplingParams(max_tokens=64, temperature=0.0)
+    prompt, params = list(range(3, 67)), SamplingParams(max_tokens=tokens, temperature=0.0)
     generate(runtime, prompt, params)
-    ms = [generate(runtime, prompt, params).decode_seconds / 63 * 1e3 for _ in range(3)]
+    ms = [generate(runtime, prompt, params).decode_seconds / (tokens - 1) * 1e3 for _ in range(3)]
     return {"small decode ms/token": f"{min(ms):.1f} / {statistics.median(ms):.1f}"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--what", nargs="+", choices=("products", "decode"), default=["products", "decode"])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded a measurement (at least 2)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.tokens < 2:
+        ap.error(f"--tokens must be at least 2, got {args.tokens}")
     runtime = None
     if "decode" in args.what:
         from openflash.checkpoint import open_model
@@ -66,7 +69,7 @@ def main() -> None:
             if "products" in args.what:
                 row.update(products())
             if runtime is not None:
-                row.update(decode(runtime))
+                row.update(decode(runtime, args.tokens))
         finally:
             if hog is not None:
                 hog.kill()
