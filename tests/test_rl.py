@@ -18,7 +18,7 @@ import torch
 from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
 from openflash.engine.engine import EngineConfig, LLMEngine
-from openflash.engine.sampling import SamplingParams
+from openflash.engine.sampling import SamplingParams, TokenLogprob
 from openflash.errors import OpenflashError
 from openflash.files.peft import adapter_folder, read_adapter
 from openflash.rl.config import RLConfig
@@ -119,7 +119,8 @@ def tiny():
 def test_sampled_logprobs_match_the_forward(tiny):
     engine = LLMEngine(tiny, EngineConfig(max_batch=4, max_context=64, prefill_mode="exact"))
     prompts = [[5, 9, 14, 3], [7, 7, 2]]
-    params = [SamplingParams(temperature=t, max_tokens=6, seed=3, logprobs=True) for t in (0.0, 0.7)]
+    params = [SamplingParams(temperature=t, max_tokens=6, seed=3, logprobs=True, logprobs_of="sampler")
+              for t in (0.0, 0.7)]
     seqs = engine.generate(prompts, params, ignore_eos=True)
     for seq, p in zip(seqs, params):
         assert len(seq.output_logprobs) == len(seq.output_ids) == 6
@@ -128,7 +129,8 @@ def test_sampled_logprobs_match_the_forward(tiny):
             logits = tiny.forward(ids).logits
         temp = p.temperature or 1.0
         want, _ = completion_logprobs(logits, ids, [len(seq.prompt_ids)], [6], 6, temp)
-        assert torch.allclose(torch.tensor([seq.output_logprobs]), want, atol=2e-4), (seq.output_logprobs, want)
+        got = torch.tensor([[t.logprob for t in seq.output_logprobs]])
+        assert torch.allclose(got, want, atol=2e-4), (got, want)
     plain = engine.generate([prompts[0]], SamplingParams(max_tokens=3))[0]
     assert plain.output_logprobs == []
 
@@ -231,7 +233,7 @@ class ScriptedTurns:
             self.prompts.append(text)
             reply = next(v for k, v in self.scripts.items() if k in text[-80:])
             ids = self.tokenizer.encode(reply, add_special_tokens=False).ids + [self.eos]
-            out.append(_Turn(ids, [-0.5] * len(ids), reply))
+            out.append(_Turn(ids, [TokenLogprob(t, -0.5) for t in ids], reply))
         return out
 
 
@@ -503,7 +505,7 @@ def test_the_trained_adapter_serves_as_the_policy(learned):
     with torch.no_grad():
         logits = trainer.runtime.forward(ids).logits
         want, _ = completion_logprobs(logits, ids, [len(prompt)], [2], 2)
-        assert torch.allclose(torch.tensor([tuned.output_logprobs]), want, atol=2e-4)
+        assert torch.allclose(torch.tensor([[t.logprob for t in tuned.output_logprobs]]), want, atol=2e-4)
         with adapters_off(trainer.model):
             base_logits = trainer.runtime.forward(ids).logits
     assert not torch.allclose(logits, base_logits)

@@ -223,6 +223,10 @@ class DeepSeekV41Format:
         tools = {t.name for t in options.tools} if options.tools_on else set()
         return CompletionParser(options.thinking, tools)
 
+    def answer_after(self, options: ChatOptions) -> int | None:
+        """In thinking mode the answer follows `</think>`."""
+        return self.think_end_id if options.thinking else None
+
     def forcing(self, options: ChatOptions) -> Forcing | None:
         """tool_choice required / named: the completion starts with the calls block (after the reasoning)."""
         if not options.tools_on or options.tool_choice not in ("required", "named"):

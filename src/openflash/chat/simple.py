@@ -66,5 +66,8 @@ class SimpleFormat:
     def parser(self, options: ChatOptions) -> CompletionParser:
         return CompletionParser(thinking=False)
 
+    def answer_after(self, options: ChatOptions) -> int | None:
+        return None  # (no thinking mode: check() refuses it)
+
     def forcing(self, options: ChatOptions) -> Forcing | None:
         return None  # `check` refused tool_choice required / named

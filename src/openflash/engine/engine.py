@@ -38,7 +38,8 @@ from openflash.engine.loop import EngineLoop
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import PrefixCache
 from openflash.engine.prompt import PromptIntake
-from openflash.engine.request import ABORT, ERROR, RequestOutput, Sequence
+from openflash.engine.logits import TokenConstraint, shape_logits
+from openflash.engine.request import ABORT, ERROR, LENGTH, STOP, RequestOutput, Sequence
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
 from openflash.engine.sampling import (NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample,
                                       token_logprobs)
@@ -147,16 +148,20 @@ class LLMEngine:
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, ignore_eos: bool = False,
-                    images: Sequence_[PromptImage] = (), adapter: str | None = None) -> Sequence:
+                    images: Sequence_[PromptImage] = (), adapter: str | None = None,
+                    constraint: TokenConstraint | None = None) -> Sequence:
         """Queue a request; raises OpenflashError (PromptError, QueueFullError, EngineStoppedError) if it cannot be
         served. Outputs go to on_output (on the engine thread).
 
         images: the prompt's image spans (vision/prompt.py: `assemble` or `text_prompt` places them), at positions
-        holding the image token id. adapter: the served LoRA adapter to run with (None: the base model)."""
+        holding the image token id. adapter: the served LoRA adapter to run with (None: the base model).
+        constraint: a grammar the completion must follow (engine/logits.py; structured output)."""
         params.validate(self.config.max_context - 1)
-        if params.logprobs and self.runner.drafts:
-            raise RequestError("logprobs are not kept under speculative decoding (its accepted tokens are drawn by "
-                               "rejection sampling, not from one distribution each)", param="logprobs")
+        if self.runner.drafts:
+            self._check_speculative(params, constraint)
+        if constraint is not None and self.lockstep is not None:
+            raise RequestError("structured output is not supported with expert-parallel serving (each rank would "
+                               "need the grammar's state)", param="response_format")
         slot = self.runtime.adapter_slot(adapter)
         ids = self.prompt_intake.encode(prompt)
         self.prompt_intake.check_budget(ids, params.max_tokens)
@@ -168,8 +173,24 @@ class LLMEngine:
                 params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         seq = self._sequence(RequestSpec(request_id or uuid.uuid4().hex, ids, params,
                                          None if ignore_eos else self.cfg.eos_token_id, list(images), slot), on_output)
+        seq.constraint = constraint
         self.inbox.put(seq, len(self.scheduler.waiting))
         return seq
+
+    @staticmethod
+    def _check_speculative(params: SamplingParams, constraint: TokenConstraint | None) -> None:
+        """What a speculative round cannot give: its accepted tokens are drawn by rejection sampling inside the
+        verifier, not from one (shaped) distribution each."""
+        asked = [name for name, on in (("logprobs", params.logprobs), ("response_format", constraint is not None),
+                                       ("presence_penalty", params.presence_penalty),
+                                       ("frequency_penalty", params.frequency_penalty),
+                                       ("repetition_penalty", params.repetition_penalty != 1),
+                                       ("logit_bias", params.logit_bias), ("min_tokens", params.min_tokens),
+                                       ("min_p", params.min_p)) if on]
+        if asked:
+            raise RequestError(f"{asked[0]} is not supported under speculative decoding (its accepted tokens are "
+                               f"drawn by rejection sampling inside the verifier); serve without --speculative for "
+                               f"it", param=asked[0])
 
     def _sequence(self, spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
         key = self.runtime.adapter_keys[spec.adapter] if spec.adapter != BASE else 0
@@ -253,9 +274,17 @@ class LLMEngine:
                 except Exception as exc:
                     outputs.extend(self._fail([seq], exc, "prefill"))
                     continue
+                seq.prompt_logprobs += result.prompt_logprobs
                 if chunk.last:
                     self.scheduler.promote(seq)
-                    group = [seq, *self._forks(seq)]
+                    group = []
+                    for s in [seq, *self._forks(seq)]:
+                        if s.params.max_tokens == 0:  # the prompt's log-probs were all it asked for
+                            outputs.append((s, self._finish(s, LENGTH)))
+                        else:
+                            group.append(s)
+                    if not group:
+                        continue
                     tokens = self.next_tokens(result.logits.unsqueeze(0).expand(len(group), -1), group)
                     outputs += [(s, self._append(s, t)) for s, t in zip(group, tokens)]
 
@@ -264,6 +293,7 @@ class LLMEngine:
         twins = self.scheduler.take_twins(seq)
         for twin in twins:
             self.runner.fork(seq, twin)
+            twin.prompt_logprobs = list(seq.prompt_logprobs)  # (a twin asks for the same: scheduler.py)
             twin.scheduled_time = time.perf_counter()
             self.metrics.queue_time.observe(twin.scheduled_time - twin.arrival_time)
             self.metrics.cached_prompt_tokens += twin.prompt_len
@@ -296,13 +326,20 @@ class LLMEngine:
         return [out for _, out in outputs]
 
     def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each sequence from its logits row (each with its own sampler); a sequence that asked
-        for log-probs gets the token's (sampling.token_logprobs), which _append then keeps."""
-        tokens = sample(logits, [s.sampler for s in seqs])
-        if any(s.params.logprobs for s in seqs):
-            temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
-            for seq, lp in zip(seqs, token_logprobs(logits, tokens, temps).tolist()):
-                seq.pending_logprob = lp
+        """The next token of each sequence from its logits row, shaped as it asks (engine/logits.py) and sampled
+        with its own sampler; a sequence that asked for log-probs gets the token's from the unshaped logits
+        (sampling.token_logprobs), which _append then keeps."""
+        finite = torch.isfinite(logits).all(dim=-1).cpu()  # (a grammar's mask adds -inf; NaN from the model is not)
+        tokens = sample(shape_logits(logits, seqs), [s.sampler for s in seqs], finite)
+        wanting = [b for b, s in enumerate(seqs) if s.params.logprobs]
+        if wanting:
+            rows = torch.tensor(wanting)
+            temps = torch.tensor([seqs[b].params.temperature if seqs[b].params.logprobs_of == "sampler"
+                                  and not seqs[b].params.greedy else 1.0 for b in wanting])
+            top = max(seqs[b].params.top_logprobs for b in wanting)
+            for b, record in zip(wanting, token_logprobs(logits[rows.to(logits.device)], tokens[rows], temps, top)):
+                k = seqs[b].params.top_logprobs
+                seqs[b].pending_logprob = replace(record, top=record.top[:k])
         return tokens.tolist()
 
     def _admit(self, seq: Sequence) -> bool:
@@ -310,7 +347,9 @@ class LLMEngine:
         seq.scheduled_time = time.perf_counter()
         self.metrics.queue_time.observe(seq.scheduled_time - seq.arrival_time)
         try:
-            entry = self.prefix_cache.lookup(seq.key_ids) if self.prefix_cache is not None else None
+            # Prompt log-probs come from a prefill of every prompt token: nothing restored.
+            restorable = self.prefix_cache is not None and seq.params.prompt_logprobs is None
+            entry = self.prefix_cache.lookup(seq.key_ids) if restorable else None
             if entry is None:
                 seq.cache = self.runner.new_cache()
                 return True
@@ -331,6 +370,9 @@ class LLMEngine:
         now = time.perf_counter()
         if seq.params.logprobs:
             seq.output_logprobs.append(seq.pending_logprob)
+        if seq.constraint is not None and not seq.constraint.advance(token):
+            return self._fail([seq], RuntimeError(f"the grammar refused token {token}, which its own mask allowed"),
+                              "structured output")[0][1]
         out = seq.append_token(token, self.tokenizer.decode, now)
         self.metrics.record_token(seq, now)
         if seq.finished:

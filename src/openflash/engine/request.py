@@ -11,15 +11,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from openflash.engine.sampling import SamplerState, SamplingParams, find_stop
+from openflash.engine.sampling import SamplerState, SamplingParams, TokenLogprob, find_stop
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
 from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage, key_ids
+
+if TYPE_CHECKING:
+    from openflash.engine.logits import TokenConstraint
 
 
 class QueueFullError(OpenflashError):
@@ -58,6 +61,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served by the prefix cache
     error: str | None = None
     unavailable: bool = False  # the error is a storage tier's, not the request's: a server answers 503
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: the new tokens'
+    prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once: prompt tokens 1.. (not 0)
 
 
 @dataclass
@@ -70,8 +75,11 @@ class Sequence:
     on_output: Callable[[RequestOutput], None] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)  # with params.logprobs: log p of each output id
-    pending_logprob: float = 0.0  # the log p of the token being sampled (engine.next_tokens to _append)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: each output id's
+    pending_logprob: TokenLogprob | None = None  # the token being sampled (engine.next_tokens to _append)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.prompt_logprobs: tokens 1..
+    prompt_logprobs_sent: bool = False
+    constraint: TokenConstraint | None = None  # a grammar the completion follows (engine/logits.py)
     num_prefilled: int = 0  # prompt tokens whose state is in the cache
     num_cached: int = 0  # of those, tokens restored from the prefix cache
     cache: ModelCache | None = None  # own cache while prefilling (then owned by the runner's batch)
@@ -130,7 +138,11 @@ class Sequence:
             self.text = decode(self.output_ids)
             cut = find_stop(self.text, p.stop)
             if cut is not None:
+                if p.include_stop_str_in_output:
+                    cut += max(len(s) for s in p.stop if self.text.startswith(s, cut))
                 self.text = self.text[:cut]
+                self.finish(STOP)
+            elif self.constraint is not None and self.constraint.finished:
                 self.finish(STOP)
             elif len(self.output_ids) >= p.max_tokens:
                 self.finish(LENGTH)
@@ -148,5 +160,10 @@ class Sequence:
                 final -= 1
         new = self.text[self.sent:final] if final > self.sent else ""
         self.sent = max(self.sent, final)
+        logprobs = self.output_logprobs[len(self.output_ids) - len(token_ids):] if self.params.logprobs else None
+        prompt = None
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and \
+                len(self.prompt_logprobs) == self.prompt_len - 1:
+            prompt, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(self.request_id, token_ids, new, self.finished, self.finish_reason, self.prompt_len,
-                             len(self.output_ids), self.num_cached, self.error, self.unavailable)
+                             len(self.output_ids), self.num_cached, self.error, self.unavailable, logprobs, prompt)

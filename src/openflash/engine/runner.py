@@ -23,13 +23,16 @@ only when sequences join or its bucket changes.
 Engram and experts: each call goes through the runtime (runtime.py), which hashes the chunk or decode step's token
 ids before the model runs (starting the rows' fetch from any tier) and hands rows and expert store down.
 
+Prompt log-probabilities (a request's `prompt_logprobs`): its chunks run in exact mode with every position's logits,
+each position scoring the prompt token after it (sampling.token_logprobs at temperature 1), in packs of their own.
+
 Images: a prompt's image spans are encoded (ViT + aligner) once, at its first chunk that reaches one, and each
 chunk gets the rows of the span positions inside it; the spans are DEAD for the Engram hash. Decode steps are text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 from typing import Sequence as Sequence_
 
@@ -37,6 +40,7 @@ import torch
 
 from openflash.engine.cache import CacheFactory
 from openflash.engine.request import Sequence
+from openflash.engine.sampling import TokenLogprob, token_logprobs
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
 from openflash.model.cache import ModelCache
 from openflash.model.lora import BASE
@@ -58,11 +62,12 @@ class ChunkTask:
 
 @dataclass
 class ChunkResult:
-    """What a prefilled chunk gave: logits [V] after a prompt's last chunk (else None), or the error that failed
-    the pack it ran in."""
+    """What a prefilled chunk gave: logits [V] after a prompt's last chunk (else None), the log-probs of the prompt
+    tokens after each of its positions (with prompt_logprobs), or the error that failed the pack it ran in."""
 
     logits: torch.Tensor | None = None
     error: Exception | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class ModelRuntime(Protocol):
@@ -153,8 +158,7 @@ class ModelRunner:
         for members in packs.values():
             for part in self._split(members, tasks):
                 try:
-                    logits = self._prefill_pack([tasks[i] for i in part])
-                    out = [ChunkResult(logits=row) for row in logits]
+                    out = self._prefill_pack([tasks[i] for i in part])
                 except Exception as exc:  # reported per request by the engine
                     out = [ChunkResult(error=exc)] * len(part)
                 for i, r in zip(part, out):
@@ -164,10 +168,11 @@ class ModelRunner:
     def _pack_key(self, task: ChunkTask) -> tuple:
         """Chunks may share a model call when their caches are of one kind: in bounded mode all last chunks or
         none (the decoder half runs on last chunks), and pending replays in all or none; an Engram hash history
-        in every cache or in none (the first chunk creates it)."""
+        in every cache or in none (the first chunk creates it); prompt log-probs asked alike (exact, every logit)."""
         cache = task.seq.cache
         bounded = self.prefill_mode == "bounded"
-        return bounded and task.end == task.seq.prompt_len, cache.replay is None, cache.engram is None
+        return (bounded and task.end == task.seq.prompt_len, cache.replay is None, cache.engram is None,
+                task.seq.params.prompt_logprobs)
 
     def _split(self, members: list[int], tasks: list[ChunkTask]) -> list[list[int]]:
         """Packs of up to `prefill_batch` chunks, longest first; a chunk joins the current pack while padding every
@@ -187,10 +192,12 @@ class ModelRunner:
                 width = real = n
         return packs
 
-    def _prefill_pack(self, tasks: list[ChunkTask]) -> list[torch.Tensor | None]:
+    def _prefill_pack(self, tasks: list[ChunkTask]) -> list[ChunkResult]:
         """One model call over the tasks' joined caches; each sequence gets its row back as its own cache."""
         seqs = [t.seq for t in tasks]
         last = tasks[0].end == seqs[0].prompt_len
+        scored = seqs[0].params.prompt_logprobs  # (alike in a pack: _pack_key)
+        mode = self.prefill_mode if scored is None else "exact"
         sizes = [t.end - t.start for t in tasks]
         width = max(sizes)
         # Right-padded to the longest chunk with id 0 (the padding writes no state and its outputs are dropped).
@@ -212,12 +219,13 @@ class ModelRunner:
             s.cache = None  # the call owns the state until it is split back
         self.prefill_calls += 1
         try:
+            every = scored is not None
             if self.drafts:
-                logits, hidden = self.runtime.step_hidden(ids, batch, mode=self.prefill_mode, last_chunk=last,
-                                                          images=images, lengths=lengths, adapters=adapters)
+                logits, hidden = self.runtime.step_hidden(ids, batch, mode=mode, last_chunk=last, images=images,
+                                                          lengths=lengths, all_logits=every, adapters=adapters)
             else:
-                logits, hidden = self.runtime.step(ids, batch, mode=self.prefill_mode, last_chunk=last,
-                                                   images=images, lengths=lengths, adapters=adapters), None
+                logits, hidden = self.runtime.step(ids, batch, mode=mode, last_chunk=last, images=images,
+                                                   lengths=lengths, all_logits=every, adapters=adapters), None
             if hidden is not None:  # the drafter's rings take the positions the target layers ran on
                 self.model.draft_seed(hidden, batch)
         except Exception:
@@ -232,7 +240,18 @@ class ModelRunner:
                 self._images.pop(s.request_id, None)
         if len(seqs) > 1:
             batch.release()  # each row's cache holds its own references now
-        return [None if logits is None else logits[b] for b in range(len(seqs))]
+        if scored is None:
+            return [ChunkResult(None if logits is None else logits[b]) for b in range(len(seqs))]
+        return [self._scored(logits[b, :n], t, scored) for b, (t, n) in enumerate(zip(tasks, sizes))]
+
+    @staticmethod
+    def _scored(logits: torch.Tensor, task: ChunkTask, top: int) -> ChunkResult:
+        """A chunk's result from its logits at every position [n, V]: the prompt tokens after its positions
+        scored (the model's distribution, temperature 1), and the last position's logits after the last chunk."""
+        targets = task.seq.prompt_ids[task.start + 1:task.end + 1]
+        rows = logits[:len(targets)]
+        scored = token_logprobs(rows, torch.tensor(targets, dtype=torch.long), torch.ones(len(targets)), top)
+        return ChunkResult(logits[-1] if task.end == task.seq.prompt_len else None, prompt_logprobs=scored)
 
     def decode_step(self, seqs: list[Sequence], sample: Callable[[torch.Tensor, list[Sequence]], list[int]]
                     ) -> tuple[list[Sequence], list[list[int]], list[Acceptance]]:

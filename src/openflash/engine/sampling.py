@@ -1,7 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, stop conditions.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, stop conditions; log-probabilities.
 
 Every request draws from its own `torch.Generator`, so what a request samples does not depend on which other
-requests share its batch (greedy needs no generator at all).
+requests share its batch (greedy needs no generator at all). What changes the logits before sampling (penalties,
+logit bias, min_tokens, a grammar's mask) is engine/logits.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 from openflash.errors import RequestError
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -23,7 +27,22 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    logprobs: bool = False  # keep each sampled token's log-probability (`token_logprobs`) on its Sequence
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the likeliest's (0 = off)
+    # engine/logits.py: what changes the logits before they are sampled
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the count of each token already generated
+    repetition_penalty: float = 1.0  # vLLM / CTRL: a seen token's (prompt or output) logit / this if > 0, x if < 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # the end-of-sequence and stop token ids are masked until this many tokens are out
+    # Log-probabilities (`TokenLogprob`): of each sampled token (with the `top_logprobs` likeliest), and with
+    # prompt_logprobs = k >= 0 of each prompt token after the first (and its k likeliest), from an exact prefill.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    # Whose distribution: "model" (softmax of the logits, temperature 1: what a client evaluating the model reads) or
+    # "sampler" (softmax(logits / temperature), before top-k / top-p: the policy an RL update recomputes).
+    logprobs_of: str = "model"
 
     def validate(self, max_tokens_limit: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the first invalid field."""
@@ -35,12 +54,45 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", param="top_k")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 0):
+            raise RequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}", param="max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise RequestError("max_tokens 0 generates nothing: it is for prompt log-probabilities (echo with "
+                               "logprobs)", param="max_tokens")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
             raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}",
                                param="max_tokens")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}", param=name)
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 100
+                and math.isfinite(self.repetition_penalty)):
+            raise RequestError(f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}",
+                               param="repetition_penalty")
+        for token, bias in self.logit_bias:
+            if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+                raise RequestError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}",
+                                   param="logit_bias")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                               f"{self.min_tokens!r}", param="min_tokens")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_TOP_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}", param=name)
+        if self.logprobs_of not in ("model", "sampler"):
+            raise RequestError(f"logprobs_of must be 'model' or 'sampler', got {self.logprobs_of!r}",
+                               param="logprobs_of")
         return self
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Something changes the logits before sampling (engine/logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -64,12 +116,15 @@ class SamplerState:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] after temperature, top-k and top-p (fp32)."""
+    """Probabilities [V] after temperature, top-k, min-p and top-p (fp32)."""
     scaled = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
@@ -91,12 +146,14 @@ class NonFiniteLogits(RuntimeError):
                          "overflows?); nothing can be sampled from them")
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """One token per row of logits [B, V]; row b follows states[b]. A row whose logits are not all finite gets
-    NO_TOKEN (and draws nothing from its generator): one request's NaN must not fail the others."""
+def sample(logits: torch.Tensor, states: list[SamplerState], finite: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of logits [B, V]; row b follows states[b]. A row whose logits are not all finite (or
+    not `finite[b]`, for logits masked on purpose) gets NO_TOKEN (and draws nothing from its generator): one
+    request's NaN must not fail the others."""
     out = torch.empty(logits.shape[0], dtype=torch.long)
     greedy = logits.argmax(dim=-1).cpu()
-    finite = torch.isfinite(logits).all(dim=-1).cpu()
+    if finite is None:
+        finite = torch.isfinite(logits).all(dim=-1).cpu()
     for b, state in enumerate(states):
         if not finite[b]:
             out[b] = NO_TOKEN
@@ -108,12 +165,27 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
     return out
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """log p(token) of each row under softmax(logits / temperature) [B] (fp32; a greedy row's temperature is 1). The
-    distribution before top-k / top-p: the policy's own, which an RL update recomputes (rl/grpo.py)."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability, and the likeliest tokens' at its position (id, log p), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor,
+                   top: int = 0) -> list[TokenLogprob]:
+    """log p(token) of each row of logits [N, V] under softmax(logits / temperature) (fp32), with the `top`
+    likeliest tokens'. The distribution before top-k / top-p: with the sampling temperature, the policy's own that
+    an RL update recomputes (rl/grpo.py); with temperature 1, the model's (a teacher-forced likelihood)."""
     scaled = logits.float() / temperatures.to(logits.device, torch.float32).unsqueeze(-1)
-    picked = tokens.clamp(min=0).to(logits.device).unsqueeze(-1)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, picked).squeeze(-1).cpu()
+    logp = torch.log_softmax(scaled, dim=-1)
+    picked = logp.gather(-1, tokens.clamp(min=0).to(logits.device).unsqueeze(-1)).squeeze(-1).cpu().tolist()
+    if top <= 0:
+        return [TokenLogprob(int(t), lp) for t, lp in zip(tokens.tolist(), picked)]
+    values, ids = (x.cpu().tolist() for x in torch.topk(logp, min(top, logp.shape[-1]), dim=-1))
+    return [TokenLogprob(int(t), lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens.tolist(), picked, ids, values)]
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -142,8 +142,11 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------------------------------------------
     def _chunks(self, seq: Sequence, budget: int, force: bool) -> list[PrefillChunk]:
-        """Aligned chunks of seq's remaining prompt within budget (at least one if force)."""
-        size, pos, out = self.config.prefill_chunk, seq.num_prefilled, []
+        """Aligned chunks of seq's remaining prompt within budget (at least one if force). A prompt scored for its
+        log-probs runs in one chunk: in the released numerics a position's logits depend (at the 1e-3 level) on how
+        the prompt is cut into calls, and one call is the teacher-forced forward a client compares with."""
+        size = seq.prompt_len if seq.params.prompt_logprobs is not None else self.config.prefill_chunk
+        pos, out = seq.num_prefilled, []
         while pos < seq.prompt_len:
             end = min((pos // size + 1) * size, seq.prompt_len)
             if end - pos > budget and not (force and not out):
@@ -164,7 +167,8 @@ class Scheduler:
             budget -= sum(c.num_tokens for c in chunks)
         while self.waiting and self.num_active < self.config.max_batch:
             seq = self.waiting[0]
-            leader = next((p for p in self.prefilling if p.key_ids == seq.key_ids and p.adapter == seq.adapter),
+            leader = next((p for p in self.prefilling if p.key_ids == seq.key_ids and p.adapter == seq.adapter
+                           and p.params.prompt_logprobs == seq.params.prompt_logprobs),
                           None) if self.config.share_prompts else None
             if leader is None and plan.prefills and budget < min(self.config.prefill_chunk, seq.prompt_len):
                 break  # (a twin costs no budget)

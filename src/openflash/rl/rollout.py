@@ -61,7 +61,7 @@ class Rollout:
             self.error = seq.error
             return
         self.completion_ids += seq.output_ids
-        self.logprobs += seq.output_logprobs
+        self.logprobs += [t.logprob for t in seq.output_logprobs]
         self.trained += [True] * len(seq.output_ids)
         self.text, self.truncated, self.turns = seq.text, seq.finish_reason == LENGTH, self.turns + 1
 
@@ -124,7 +124,8 @@ def run_episodes(generator: Generator, tokenizer: Tokenizer, fmt: ChatTemplate |
         if not active:
             break
         params = [SamplingParams(temperature=temperature, max_tokens=n, stop=stop, logprobs=True,
-                                 seed=sample_seed(run_seed, step, r.index, turn)) for r, n in zip(active, room)]
+                                 logprobs_of="sampler", seed=sample_seed(run_seed, step, r.index, turn))
+                  for r, n in zip(active, room)]
         seqs = generator.generate([list(r.task.prompt_ids) + r.completion_ids for r in active], params)
         for r, seq in zip(active, seqs):
             r.take(seq)

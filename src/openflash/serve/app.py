@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) and `openflash serve`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one JSON body; both
-report `usage`), GET /v1/models (and /v1/models/{id}), GET /health, GET /metrics (Prometheus), POST /tokenize,
-POST /detokenize.
+report `usage`; log-probabilities of sampled and, with echo, prompt tokens; `response_format` JSON through a
+grammar, serve/grammar.py), GET /v1/models (and /v1/models/{id}), GET /health, GET /metrics (Prometheus), POST
+/tokenize, POST /detokenize, GET /tokenizer_info (vLLM's endpoints, which lm-eval's remote tokenizer reads). Every
+response carries an `x-request-id` header (the client's, or a new one).
 
 The engine runs its own thread (engine/engine.py); a request handler submits one engine request per choice and
 waits on an asyncio queue that the engine thread feeds (loop.call_soon_threadsafe). A client that disconnects
@@ -11,12 +13,13 @@ at the next engine step. Shutdown stops intake, lets running requests finish for
 A chat choice that must call a tool after its reasoning (tool_choice required / named in thinking mode) runs as
 two engine requests: the first stops at `</think>`, the second continues from the forced start of the call.
 
-Errors are OpenAI-style bodies (serve/errors.py): 400 malformed JSON or JSON nested too deeply, a prompt the model
-cannot take (empty, token ids outside the vocabulary) or a chat request its template cannot (malformed tools, tool
-turns, reasoning effort; serve/chat.py), 404 unknown model or route, 408 a body that stalls, 413 a prompt longer
-than the context (refused before tokenizing where the tokenizer allows a bound), 422 invalid field values (the
-message and `param` name the field; max_tokens beyond the context left), 429 queue full, 503 shutting down or an
-Engram tier that cannot be read.
+Errors are OpenAI-style bodies (serve/errors.py): 400 for anything wrong with a request's content, as OpenAI and
+vLLM answer: malformed JSON or JSON nested too deeply, an unknown or unsupported field (named), an invalid value
+(named), a prompt the model cannot take (empty, token ids outside the vocabulary, longer than the context: code
+context_length_exceeded, refused before tokenizing where the tokenizer allows a bound), a chat request its template
+cannot (malformed tools, tool turns, reasoning effort; serve/chat.py), a schema that does not compile; 401 without
+the API key, 404 unknown model or route, 408 a body that stalls, 413 a body over the size limit, 429 queue full,
+503 shutting down or an Engram tier that cannot be read.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ from openflash.errors import RequestError
 from openflash.serve import metrics as prom
 from openflash.serve.chat import ChatFormat, ChatReply
 from openflash.serve.errors import APIError, engine_failure, field_error, http_error, prompt_error, validation_error
-from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, clip
+from openflash.serve.grammar import Grammar, GrammarCompiler
+from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, RequestId, clip
 from openflash.serve.images import ImagePolicy
 from openflash.serve.jobs import Choice, Job
+from openflash.serve.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from openflash.serve.prompts import ServerPrompts
 from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                      TokenizeRequest, TokenizeResponse)
+                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
+                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      TokenizerInfo)
 
 log = logging.getLogger("openflash.serve")
 
@@ -80,6 +86,7 @@ class OpenflashServer:
         self.max_context = engine.config.max_context
         self.prompts = ServerPrompts(tokenizer, engine.prompt_intake, config.chat_format, config.thinking_default,
                                      config.images, engine.cfg)  # serve/prompts.py
+        self.grammars = GrammarCompiler(tokenizer, engine.cfg.vocab_size, engine.cfg.eos_token_id)
 
     # ---- request -> engine ----------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str | None:
@@ -98,22 +105,31 @@ class OpenflashServer:
             return ModelCard(id=self.config.model_name, max_model_len=self.max_context)
         return ModelCard(id=adapter, max_model_len=self.max_context, parent=self.config.model_name)
 
-    def sampling(self, body: Any, max_tokens: int, choice: int) -> SamplingParams:
+    def sampling(self, body: Any, max_tokens: int, choice: int, **logprobs: Any) -> SamplingParams:
+        """A choice's sampling parameters from the request's fields (logprobs: the endpoint's log-prob fields)."""
         vocab = self.engine.cfg.vocab_size
-        bad = next((t for t in body.stop_token_ids or () if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids: token id {clip(bad)} is outside the model's vocabulary "
-                                f"(0..{vocab - 1})", param="stop_token_ids", code="invalid_token")
+        for field_name, ids in (("stop_token_ids", body.stop_token_ids or ()),
+                                ("logit_bias", [int(k) for k in body.logit_bias or ()])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{field_name}: token id {clip(bad)} is outside the model's vocabulary "
+                                    f"(0..{vocab - 1})", param=field_name, code="invalid_token")
         seed = None if body.seed is None else body.seed + choice
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         params = SamplingParams(temperature=1.0 if body.temperature is None else float(body.temperature),
                                 top_p=1.0 if body.top_p is None else float(body.top_p), top_k=top_k,
-                                max_tokens=max_tokens, seed=seed, stop=body.stop_list(),
-                                stop_token_ids=tuple(body.stop_token_ids or ()))
+                                min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=seed, stop=body.stop_list(),
+                                stop_token_ids=tuple(body.stop_token_ids or ()),
+                                include_stop_str_in_output=body.include_stop_str_in_output,
+                                presence_penalty=body.presence_penalty or 0.0,
+                                frequency_penalty=body.frequency_penalty or 0.0,
+                                repetition_penalty=body.repetition_penalty or 1.0,
+                                logit_bias=tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+                                min_tokens=body.min_tokens, **logprobs)
         try:
             return params.validate()
         except RequestError as exc:
-            raise field_error(422, exc, body) from None
+            raise field_error(exc, body) from None
 
     def submit(self, job: Job, body: Any, ids: list[int], params: SamplingParams, param: str, prefix: str = "",
                **chat: Any) -> None:
@@ -125,9 +141,9 @@ class OpenflashServer:
             raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
         except EngineStoppedError as exc:
             raise APIError(503, str(exc), "server_error", code="shutting_down") from None
-        except RequestError as exc:  # a sampling field (422), or the prompt itself (400)
+        except RequestError as exc:  # a field, or the prompt itself
             if exc.param is not None:
-                raise field_error(422, exc, body) from None
+                raise field_error(exc, body) from None
             raise APIError(400, str(exc), param=param) from None
 
     @staticmethod
@@ -184,16 +200,43 @@ class OpenflashServer:
         for ids in prompts:
             self.prompts.check_ids(ids, "prompt")
         job, rid = Job(self.engine, adapter), f"cmpl-{uuid.uuid4().hex}"
+        scored = body.logprobs is not None
+        # Echo scores the prompt (lm-eval's log-likelihoods); max_tokens 0 asks for nothing else.
+        max_tokens = body.requested_max_tokens()
+        prompt_logprobs = (body.logprobs or 0) if body.echo and (scored or max_tokens == 0) else None
         try:
             for ids in prompts:
                 prefix = self.tokenizer.decode(ids) if body.echo else ""
                 for _ in range(body.n):
-                    params = self.sampling(body, body.max_tokens or 16, len(job.choices))
+                    params = self.sampling(body, max_tokens, len(job.choices), logprobs=scored,
+                                           top_logprobs=body.logprobs or 0,
+                                           prompt_logprobs=prompt_logprobs)
                     self.submit(job, body, ids, params, "prompt", prefix)
         except APIError:
             job.abort_unfinished()
             raise
         created, name = int(time.time()), adapter or self.config.model_name
+        names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
+
+        def logprobs_of(choice: Choice, streamed: bool) -> CompletionLogprobs | None:
+            """The choice's log-probs not yet sent (all of them when not streaming)."""
+            if not scored:
+                return None
+            echoed = choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent
+            start = choice.logprobs_sent if streamed else 0
+            new = choice.logprobs[start:]
+            if streamed:
+                choice.logprobs_sent, choice.prompt_logprobs_sent = len(choice.logprobs), True
+            if not echoed:
+                offset = len(choice.prefix) if body.echo else len(self.tokenizer.decode(choice.prompt_ids))
+                before = completion_logprobs(choice.logprobs[:start], names, offset) if start else None
+                return completion_logprobs(new, names, offset if before is None else before.end)
+            prompt = completion_logprobs(choice.prompt_logprobs, names, 0, unscored=choice.prompt_ids[0])
+            rest = completion_logprobs(new, names, prompt.end)
+            return CompletionLogprobs(tokens=prompt.tokens + rest.tokens,
+                                      token_logprobs=prompt.token_logprobs + rest.token_logprobs,
+                                      top_logprobs=prompt.top_logprobs + rest.top_logprobs,
+                                      text_offset=prompt.text_offset + rest.text_offset)
 
         def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if not (out.text or out.finished):
@@ -201,12 +244,13 @@ class OpenflashServer:
             text = out.text
             if choice.echo_pending:
                 choice.echo_pending, text = False, choice.prefix + text
-            ch = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason)
+            ch = CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason,
+                                  logprobs=logprobs_of(choice, streamed=True))
             return CompletionResponse(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
 
         def full() -> CompletionResponse:
-            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
-                       for c in job.choices]
+            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                        logprobs=logprobs_of(c, streamed=False)) for c in job.choices]
             return CompletionResponse(id=rid, created=created, model=name, choices=choices, usage=job.usage(body.n))
 
         usage_chunk = lambda: CompletionResponse(id=rid, created=created, model=name, choices=[],  # noqa: E731
@@ -216,6 +260,7 @@ class OpenflashServer:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         adapter = self.check_model(body.model)
         options = self.prompts.chat_options(body)
+        grammar = self.structured(body, options)
         prompt = await self.off_loop(self.prompts.chat, body.messages, options)
         ids = prompt.ids
         self.prompts.check_ids(ids, "messages")
@@ -226,16 +271,27 @@ class OpenflashServer:
         fmt = self.config.chat_format
         try:
             for _ in range(body.n):
-                params = self.sampling(body, max_tokens, len(job.choices))
+                params = self.sampling(body, max_tokens, len(job.choices), logprobs=body.logprobs,
+                                       top_logprobs=body.top_logprobs or 0)
                 parser, reply = fmt.parser(options), ChatReply()
                 reply.add(parser.feed(prompt.forced))  # the forced text opens a call: nothing final yet
+                constraint = None if grammar is None else self.grammar_state(grammar, fmt.answer_after(options))
                 self.submit(job, body, ids, params, "messages", parser=parser, reply=reply,
-                            continuation=prompt.deferred, images=prompt.images)
+                            continuation=prompt.deferred, images=prompt.images, constraint=constraint)
         except APIError:
             job.abort_unfinished()
             raise
         created, name = int(time.time()), adapter or self.config.model_name
         started: set[int] = set()
+        names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
+
+        def logprobs_of(choice: Choice, streamed: bool) -> ChatLogprobs | None:
+            if not body.logprobs:
+                return None
+            start = choice.logprobs_sent if streamed else 0
+            if streamed:
+                choice.logprobs_sent = len(choice.logprobs)
+            return chat_logprobs(choice.logprobs[start:], names)
 
         def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if choice.delta is None and not choice.done:
@@ -244,18 +300,38 @@ class OpenflashServer:
             if choice.index not in started:
                 started.add(choice.index)
                 delta.role = "assistant"
-            ch = ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason)
+            ch = ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason,
+                                 logprobs=logprobs_of(choice, streamed=True))
             return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ch]).model_dump_json()
 
         def full() -> ChatCompletionResponse:
-            choices = [ChatChoice(index=c.index, message=c.reply.message(), finish_reason=c.finish_reason)
-                       for c in job.choices]
+            choices = [ChatChoice(index=c.index, message=c.reply.message(), finish_reason=c.finish_reason,
+                                  logprobs=logprobs_of(c, streamed=False)) for c in job.choices]
             return ChatCompletionResponse(id=rid, created=created, model=name, choices=choices,
                                           usage=job.usage(body.n))
 
         usage_chunk = lambda: ChatCompletionChunk(id=rid, created=created, model=name, choices=[],  # noqa: E731
                                                   usage=job.usage(body.n)).model_dump_json()
         return await self.reply(job, body, request, chunk_of, usage_chunk, full)
+
+    def structured(self, body: ChatCompletionRequest, options: ChatOptions) -> str | None:
+        """The grammar the request's response_format asks for (None: free text); a 400 naming the field for one
+        that cannot be served."""
+        if body.response_format is None or body.response_format.type == "text":
+            return None
+        if options.tools_on and options.tool_choice in ("required", "named"):
+            raise APIError(400, "response_format: a JSON reply and a forced tool call exclude each other "
+                                "(tool_choice required / named)", param="response_format")
+        try:
+            return self.grammars.grammar(body.response_format)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+    def grammar_state(self, grammar: str, after_token: int | None) -> Grammar:
+        try:
+            return self.grammars.start(grammar, after_token)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
     async def reply(self, job: Job, body: Any, request: Request, chunk_of: Any, usage_chunk: Any,
                     full: Any) -> Any:
@@ -275,7 +351,7 @@ class OpenflashServer:
             prompt = await self.off_loop(self.prompts.chat, body.messages, ChatOptions(self.config.thinking_default))
             ids, image_tokens = prompt.ids, sum(p.image.num_tokens for p in prompt.images)
         else:
-            ids = await self.off_loop(self.prompts.encode, body.prompt)
+            ids = await self.off_loop(self.prompts.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_context,
                                 image_tokens=image_tokens)
 
@@ -287,6 +363,13 @@ class OpenflashServer:
             raise APIError(400, f"token id {clip(bad)} is outside the tokenizer's vocabulary (0..{size - 1})",
                            param="tokens", code="invalid_token")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        cfg = self.engine.cfg
+        name = lambda token_id: self.tokenizer.id_to_token(token_id)  # noqa: E731
+        return TokenizerInfo(eos_token=name(cfg.eos_token_id), bos_token=name(cfg.bos_token_id),
+                             pad_token=name(cfg.pad_token_id), model_max_length=self.max_context,
+                             vocab_size=cfg.vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -330,6 +413,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, idle_timeout=config.body_timeout)
+    app.add_middleware(RequestId)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -368,6 +452,10 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, config: ServerConfig, *, 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return server.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> TokenizerInfo:
+        return server.tokenizer_info()
 
     return app
 

@@ -37,6 +37,9 @@ class ChatFormat(Protocol):
 
     def forcing(self, options: ChatOptions) -> Forcing | None: ...
 
+    def answer_after(self, options: ChatOptions) -> int | None:
+        """The token that ends the reasoning before the answer (thinking mode), or None: the answer comes first."""
+
 
 def _thinking(body: ChatCompletionRequest, default: bool) -> bool:
     kwargs = body.chat_template_kwargs or {}

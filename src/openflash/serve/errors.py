@@ -1,5 +1,8 @@
 """The server's error responses: OpenAI-style bodies {"error": {"message", "type", "param", "code"}}, and the
-translation of FastAPI's and the engine's refusals into them, each naming the field as the request named it."""
+translation of FastAPI's and the engine's refusals into them, each naming the field as the request named it.
+
+Every refusal of a request's content is a 400, as OpenAI and vLLM answer (their clients catch `BadRequestError`,
+context overflow included, code `context_length_exceeded`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from fastapi.responses import JSONResponse
 from openflash.engine.prompt import INVALID_IMAGES, MAX_TOKENS, TOO_LONG, PromptError
 from openflash.errors import RequestError
 from openflash.serve.guards import safe_text
-from openflash.serve.protocol import LONE_SURROGATE, TOO_DEEP, ErrorInfo, ErrorResponse
+from openflash.serve.protocol import LONE_SURROGATE, NOT_SUPPORTED, TOO_DEEP, ErrorInfo, ErrorResponse
 
 FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for any exception of its JSON parser
 
@@ -33,13 +36,15 @@ class APIError(Exception):
 
 
 def prompt_error(exc: PromptError, body: Any = None) -> APIError:
-    """A prompt the intake refused (engine/prompt.py): 413 when it cannot fit the context, 422 for a max_tokens
-    that cannot (named as the request named it), 400 otherwise; the intake's code, as vLLM's clients expect."""
+    """A prompt the intake refused (engine/prompt.py): a 400 with the intake's code (context_length_exceeded for
+    a prompt or max_tokens the context cannot hold, as OpenAI's and vLLM's clients expect), the field named as the
+    request named it."""
     if exc.code == MAX_TOKENS:
-        return field_error(422, exc, body) if body is not None else APIError(422, str(exc), param=exc.param,
-                                                                                code="invalid_value")
+        err = field_error(exc, body) if body is not None else APIError(400, str(exc), param=exc.param)
+        err.code = TOO_LONG
+        return err
     code = "invalid_value" if exc.code == INVALID_IMAGES else exc.code
-    return APIError(413 if exc.code == TOO_LONG else 400, str(exc), param=exc.param, code=code)
+    return APIError(400, str(exc), param=exc.param, code=code)
 
 
 def engine_failure(error: str | None, unavailable: bool) -> APIError:
@@ -50,13 +55,14 @@ def engine_failure(error: str | None, unavailable: bool) -> APIError:
     return APIError(500, f"generation failed: {error}", "server_error", code="engine_error")
 
 
-def field_error(status: int, exc: RequestError, body: Any) -> APIError:
-    """A field's error, named as the request named it: a chat request's length may come as max_completion_tokens."""
+def field_error(exc: RequestError, body: Any) -> APIError:
+    """A field's error (400), named as the request named it: a chat request's length may come as
+    max_completion_tokens."""
     param, message = exc.param, str(exc)
     field_name = body.max_tokens_field()
     if param == "max_tokens" and field_name != param:
         param, message = field_name, message.replace("max_tokens", field_name, 1)
-    return APIError(status, message, param=param, code="invalid_value")
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 def http_error(status: int, detail: str) -> APIError:
@@ -76,8 +82,8 @@ def validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
             return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
                             code="invalid_json")
     e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    if e.get("type") in (LONE_SURROGATE, TOO_DEEP):
-        code = "invalid_text" if e.get("type") == LONE_SURROGATE else "too_deep"
+    if e.get("type") in (LONE_SURROGATE, TOO_DEEP, NOT_SUPPORTED):
+        code = {LONE_SURROGATE: "invalid_text", TOO_DEEP: "too_deep"}.get(e.get("type"), "unsupported_parameter")
         return APIError(400, str(e.get("msg")), param=e.get("ctx", {}).get("param") or None, code=code)
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     # Union members add their type name to the location (e.g. prompt.str); keep the field path.
@@ -95,4 +101,7 @@ def validation_error(exc: RequestValidationError, raw: bytes) -> APIError:
             return APIError(400, "the request body is JSON but its Content-Type is not application/json",
                             code="invalid_content_type")
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return APIError(422, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: unrecognized request argument (this server refuses what it would not act "
+                             f"on; README: Serving)", param=param, code="unknown_parameter")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

@@ -1,5 +1,5 @@
-"""ASGI guards in front of the routes: the request body limit (size and stalls), the API key, and a last-resort
-error handler.
+"""ASGI guards in front of the routes: the request id, the request body limit (size and stalls), the API key, and
+a last-resort error handler.
 
 They are plain ASGI wrappers rather than FastAPI dependencies so that they act before a body is read or parsed:
 a 20 MiB upload is refused by its Content-Length (or once its streamed bytes pass the limit) without being held in
@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import uuid
 from typing import Any, Awaitable, Callable
 
 from starlette.exceptions import HTTPException
@@ -138,7 +139,8 @@ class BodyLimit:
 class ApiKey:
     """Every route under `protected` prefixes needs `Authorization: Bearer KEY` (401 otherwise); others stay open."""
 
-    def __init__(self, app: ASGIApp, key: str, protected: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize")):
+    def __init__(self, app: ASGIApp, key: str,
+                 protected: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")):
         self.app, self.key, self.protected = app, key.encode("utf-8"), protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -152,6 +154,28 @@ class ApiKey:
                                   code="invalid_api_key")
                 return await send_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
+
+
+class RequestId:
+    """Every response carries `x-request-id`: the client's own (a printable value of up to 128 characters, as vLLM
+    and OpenAI's clients send it) or a new one, for matching a client's record with the server's log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        rid = given if 0 < len(given) <= 128 and given.isascii() and given.decode().isprintable() else \
+            uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class ErrorGuard:

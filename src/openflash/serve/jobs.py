@@ -11,8 +11,9 @@ from typing import Any
 
 from openflash.chat.conversation import Forcing
 from openflash.engine.engine import LLMEngine
+from openflash.engine.logits import TokenConstraint
 from openflash.engine.request import ERROR, STOP, RequestOutput
-from openflash.engine.sampling import SamplingParams
+from openflash.engine.sampling import SamplingParams, TokenLogprob
 from openflash.errors import OpenflashError
 from openflash.serve.chat import ChatReply, CompletionParser
 from openflash.serve.errors import APIError, engine_failure
@@ -48,6 +49,10 @@ class Choice:
     images: list[PromptImage] = field(default_factory=list)  # the prompt's image spans
     token_ids: list[int] = field(default_factory=list)  # every completion token so far, forced ones included
     earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens' (params.logprobs)
+    logprobs_sent: int = 0  # streaming: of those, the ones already in a chunk
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after its first (params.prompt_logprobs)
+    prompt_logprobs_sent: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -70,13 +75,14 @@ class Job:
 
     def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "",
                parser: CompletionParser | None = None, reply: ChatReply | None = None,
-               continuation: Forcing | None = None, images: list[PromptImage] | None = None) -> None:
+               continuation: Forcing | None = None, images: list[PromptImage] | None = None,
+               constraint: TokenConstraint | None = None) -> None:
         index = len(self.choices)
         first = params
         if continuation is not None:  # stop at its token, then force the text (_continue)
             first = replace(params, stop_token_ids=params.stop_token_ids + (continuation.after_token,))
         seq = self.engine.add_request(ids, first, on_output=self._deliverer(index), ignore_eos=ignore_eos,
-                                      images=images or (), adapter=self.adapter)
+                                      images=images or (), adapter=self.adapter, constraint=constraint)
         self.choices.append(Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
                                     text=prefix, parser=parser, reply=reply, continuation=continuation,
                                     images=list(images or ())))
@@ -85,6 +91,9 @@ class Job:
         c = self.choices[index]
         c.text += out.text
         c.token_ids += out.token_ids
+        c.logprobs += out.logprobs or ()
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         c.completion_tokens = c.earlier_tokens + out.completion_tokens
         if not c.earlier_tokens:
             c.cached_tokens = out.cached_tokens

@@ -1,8 +1,8 @@
 """A request's prompt as token ids, for the server (serve/app.py): completion prompts (text or ids), chat messages
 rendered by the served chat format with their images decoded and placed, and the checks that come before the
 engine sees them (the engine's PromptIntake: a text bounded before it is tokenized, ids against the vocabulary and
-the context). Each refusal is an APIError: 413 for a prompt that cannot fit, 400 for one the model or the chat
-template cannot take."""
+the context). Each refusal is an APIError (400): a prompt that cannot fit (context_length_exceeded), one the model
+or the chat template cannot take."""
 
 from __future__ import annotations
 
@@ -55,16 +55,16 @@ class ServerPrompts:
             raise prompt_error(exc) from None
 
     def check_length(self, text: str, param: str) -> None:
-        """413 for a text too long for the context, before it is tokenized (PromptIntake.check_text)."""
+        """A 400 for a text too long for the context, before it is tokenized (PromptIntake.check_text)."""
         try:
             self.intake.check_text(text, param)
         except PromptError as exc:
             raise prompt_error(exc) from None
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        """Token ids of `text` (413 first if it cannot fit the context). Called in a worker thread (app.py `off_loop`);
-        encode_batch releases the GIL while the Rust tokenizer runs, so the event loop keeps serving other requests
-        during a long prompt."""
+        """Token ids of `text` (a 400 first if it cannot fit the context). Called in a worker thread (app.py
+        `off_loop`); encode_batch releases the GIL while the Rust tokenizer runs, so the event loop keeps serving
+        other requests during a long prompt."""
         self.check_length(text, param)
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 

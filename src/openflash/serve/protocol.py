@@ -17,12 +17,14 @@ from pydantic_core import PydanticCustomError
 
 from openflash.chat.conversation import ImagePart
 from openflash.chat.json_limits import MAX_JSON_DEPTH, short_path, walk_json
+from openflash.engine.sampling import MAX_TOP_LOGPROBS
 
 StopType = Union[str, list[str], None]
 LONE_SURROGATE = "invalid_text"  # the error type the server turns into a 400 naming the field
 
 
 TOO_DEEP = "too_deep"  # the error type the server turns into a 400 naming the field
+NOT_SUPPORTED = "not_supported"  # an OpenAI field this server does not implement (NOT_SERVED)
 
 
 def json_problem(value: Any, limit: int = MAX_JSON_DEPTH) -> tuple[str, str, dict[str, Any]] | None:
@@ -62,26 +64,63 @@ class _TextChecked(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
 
 
+# Request fields OpenAI defines that change nothing a server computes (bookkeeping): accepted, not acted on.
+BOOKKEEPING = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "modalities")
+# OpenAI fields this server does not implement, and why: a request naming one is refused with a 400 saying so.
+NOT_SERVED = {
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
+    "functions": "the deprecated functions API is not supported: use tools",
+    "function_call": "the deprecated functions API is not supported: use tool_choice",
+    "verbosity": "verbosity is not supported", "suffix": "suffix (insertion) is not supported",
+}
+
+
 class _Request(_TextChecked):
+    """Fields both endpoints take. Every field is honoured, accepted as bookkeeping (BOOKKEEPING), or the request
+    is refused naming it: unknown fields are not dropped (OpenAI answers them with a 400 too)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM
     n: int = Field(default=1, ge=1, le=16)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StopType = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: StrictBool = False  # vLLM
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # vLLM
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)  # vLLM
     ignore_eos: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False  # vLLM: log-probs name tokens "token_id:N"
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    modalities: list[Literal["text"]] | None = None  # (anything else: NOT_SERVED)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_served(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in NOT_SERVED.items():
+                if data.get(name) not in (None, ["text"]):  # (modalities ["text"] is what this server does)
+                    raise PydanticCustomError(NOT_SUPPORTED, "{param}: {why}", {"param": name, "why": why})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -93,18 +132,14 @@ class _Request(_TextChecked):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"key {key[:40]!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -120,18 +155,11 @@ class _Request(_TextChecked):
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=1)
     echo: StrictBool = False
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt (and its log-probs) only
+    max_completion_tokens: int | None = Field(default=None, ge=0)  # OpenAI's newer name, which some clients send
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, and this many likeliest
     best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("logprobs", "suffix")
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported")
-        return v
 
     @field_validator("best_of")
     @classmethod
@@ -146,6 +174,24 @@ class CompletionRequest(_Request):
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty")
         return v
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _nothing_to_generate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("0 generates nothing; it is for scoring a prompt (echo: true, with logprobs)")
+        given = info.data.get("max_tokens")
+        if info.field_name == "max_completion_tokens" and v is not None and given not in (None, v):
+            raise ValueError("max_tokens and max_completion_tokens disagree: give one")
+        return v
+
+    def requested_max_tokens(self) -> int:
+        """The completion's length: either field, 16 when neither is given (OpenAI's default)."""
+        given = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return 16 if given is None else given
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class ImageURL(BaseModel):
@@ -224,25 +270,48 @@ class ThinkingOption(BaseModel):
     type: Literal["enabled", "disabled"]
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly with type 'json_schema'")
+        return self
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None  # checked by the server (400s naming tools.N.field), see serve/chat.py
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: Union[StrictInt, str, None] = None  # 1..100 or low / high / xhigh / max
     thinking: ThinkingOption | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang: {"thinking": bool, "reasoning_effort"}
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    continue_final_message: StrictBool = False  # vLLM
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
 
     @field_validator("parallel_tool_calls")
@@ -252,11 +321,11 @@ class ChatCompletionRequest(_Request):
             raise ValueError("parallel_tool_calls false is not supported (the model may call several tools)")
         return v
 
-    @field_validator("response_format")
+    @field_validator("continue_final_message")
     @classmethod
-    def _format(cls, v: dict | None) -> dict | None:
-        if v not in (None, {"type": "text"}):
-            raise ValueError("only {'type': 'text'} is supported")
+    def _continue(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("continue_final_message is not supported (a reply starts a new assistant turn)")
         return v
 
     @field_validator("messages")
@@ -280,6 +349,7 @@ class TokenizeRequest(_TextChecked):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True  # (a prompt's; vLLM's field, which lm-eval's remote tokenizer sends)
 
     @model_validator(mode="after")
     def _one(self) -> "TokenizeRequest":
@@ -307,10 +377,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token its text, log-prob (null for a prompt's first token), the likeliest
+    tokens' (the token's own included, as vLLM gives them) and where its text starts."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+    end: int = Field(default=0, exclude=True)  # the offset after the last token (where a next run starts)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -341,10 +422,24 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -379,7 +474,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -415,6 +510,17 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info, what lm-eval's remote tokenizer reads (no chat_template: the chat format is code)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class ErrorInfo(BaseModel):
