@@ -38,11 +38,10 @@ from openflash.engine.loop import EngineLoop
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import PrefixCache
 from openflash.engine.prompt import PromptIntake
-from openflash.engine.logits import TokenConstraint, shape_logits
-from openflash.engine.request import ABORT, ERROR, LENGTH, STOP, RequestOutput, Sequence
+from openflash.engine.logits import TokenConstraint, choose_tokens, speculative_conflict
+from openflash.engine.request import ABORT, ERROR, LENGTH, RequestOutput, Sequence
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
-from openflash.engine.sampling import (NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, sample,
-                                      token_logprobs)
+from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams
 from openflash.engine.scheduler import PrefillChunk, Scheduler
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.model.lora import BASE
@@ -157,8 +156,10 @@ class LLMEngine:
         holding the image token id. adapter: the served LoRA adapter to run with (None: the base model).
         constraint: a grammar the completion must follow (engine/logits.py; structured output)."""
         params.validate(self.config.max_context - 1)
-        if self.runner.drafts:
-            self._check_speculative(params, constraint)
+        if self.runner.drafts and (conflict := speculative_conflict(params, constraint)) is not None:
+            raise RequestError(f"{conflict} is not supported under speculative decoding (its accepted tokens are "
+                               f"drawn by rejection sampling inside the verifier); serve without --speculative for "
+                               f"it", param=conflict)
         if constraint is not None and self.lockstep is not None:
             raise RequestError("structured output is not supported with expert-parallel serving (each rank would "
                                "need the grammar's state)", param="response_format")
@@ -176,21 +177,6 @@ class LLMEngine:
         seq.constraint = constraint
         self.inbox.put(seq, len(self.scheduler.waiting))
         return seq
-
-    @staticmethod
-    def _check_speculative(params: SamplingParams, constraint: TokenConstraint | None) -> None:
-        """What a speculative round cannot give: its accepted tokens are drawn by rejection sampling inside the
-        verifier, not from one (shaped) distribution each."""
-        asked = [name for name, on in (("logprobs", params.logprobs), ("response_format", constraint is not None),
-                                       ("presence_penalty", params.presence_penalty),
-                                       ("frequency_penalty", params.frequency_penalty),
-                                       ("repetition_penalty", params.repetition_penalty != 1),
-                                       ("logit_bias", params.logit_bias), ("min_tokens", params.min_tokens),
-                                       ("min_p", params.min_p)) if on]
-        if asked:
-            raise RequestError(f"{asked[0]} is not supported under speculative decoding (its accepted tokens are "
-                               f"drawn by rejection sampling inside the verifier); serve without --speculative for "
-                               f"it", param=asked[0])
 
     def _sequence(self, spec: RequestSpec, on_output: Callable[[RequestOutput], None] | None = None) -> Sequence:
         key = self.runtime.adapter_keys[spec.adapter] if spec.adapter != BASE else 0
@@ -326,21 +312,9 @@ class LLMEngine:
         return [out for _, out in outputs]
 
     def next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each sequence from its logits row, shaped as it asks (engine/logits.py) and sampled
-        with its own sampler; a sequence that asked for log-probs gets the token's from the unshaped logits
-        (sampling.token_logprobs), which _append then keeps."""
-        finite = torch.isfinite(logits).all(dim=-1).cpu()  # (a grammar's mask adds -inf; NaN from the model is not)
-        tokens = sample(shape_logits(logits, seqs), [s.sampler for s in seqs], finite)
-        wanting = [b for b, s in enumerate(seqs) if s.params.logprobs]
-        if wanting:
-            rows = torch.tensor(wanting)
-            temps = torch.tensor([seqs[b].params.temperature if seqs[b].params.logprobs_of == "sampler"
-                                  and not seqs[b].params.greedy else 1.0 for b in wanting])
-            top = max(seqs[b].params.top_logprobs for b in wanting)
-            for b, record in zip(wanting, token_logprobs(logits[rows.to(logits.device)], tokens[rows], temps, top)):
-                k = seqs[b].params.top_logprobs
-                seqs[b].pending_logprob = replace(record, top=record.top[:k])
-        return tokens.tolist()
+        """The next token of each sequence from its logits row (logits.choose_tokens: shaped as it asks, sampled
+        with its own sampler, its log-prob kept when asked)."""
+        return choose_tokens(logits, seqs)
 
     def _admit(self, seq: Sequence) -> bool:
         """Give an admitted sequence its cache, restoring the longest cached prefix of its prompt."""

@@ -1,18 +1,22 @@
-"""What changes a request's logits before its token is sampled: OpenAI's presence and frequency penalties, vLLM's
-repetition penalty, a logit bias, min_tokens, and a grammar's mask (structured output, serve/grammar.py).
+"""From a step's logits to each request's next token: the shaping a request asks for (OpenAI's presence and
+frequency penalties, vLLM's repetition penalty, a logit bias, min_tokens, a grammar's mask for structured output,
+serve/grammar.py), sampling (engine/sampling.py), and the token's log-probability.
 
-The engine hands each step's logits [B, V] here with the rows' sequences; only rows that ask are touched, on a copy.
-Log-probabilities are read from the logits before this (engine.next_tokens): they are the model's, not the shaped
-ones. Speculative rounds sample inside the verifier, so a request that shapes its logits is refused there.
+The engine hands each step's logits [B, V] here with the rows' sequences (`choose_tokens`); only rows that ask are
+shaped, on a copy. Log-probabilities are read from the logits before shaping: they are the model's (or the
+sampler's temperature-scaled distribution, for RL), not the shaped ones. Speculative rounds sample inside the
+verifier, so a request that shapes its logits or asks for log-probs is refused there (`speculative_conflict`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 from openflash.engine.request import Sequence
+from openflash.engine.sampling import SamplingParams, sample, token_logprobs
 
 
 class TokenConstraint(Protocol):
@@ -68,4 +72,31 @@ def _shape_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
-__all__ = ["TokenConstraint", "shape_logits", "shapes"]
+def choose_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The next token of each sequence from its logits row [B, V], shaped as it asks and sampled with its own
+    sampler; a sequence that asked for log-probs gets the token's on `pending_logprob` (from the unshaped logits),
+    which the engine keeps when it appends the token."""
+    finite = torch.isfinite(logits).all(dim=-1).cpu()  # (a grammar's mask adds -inf; NaN from the model is not)
+    tokens = sample(shape_logits(logits, seqs), [s.sampler for s in seqs], finite)
+    wanting = [b for b, s in enumerate(seqs) if s.params.logprobs]
+    if wanting:
+        rows = torch.tensor(wanting)
+        temps = torch.tensor([seqs[b].params.temperature if seqs[b].params.logprobs_of == "sampler"
+                              and not seqs[b].params.greedy else 1.0 for b in wanting])
+        top = max(seqs[b].params.top_logprobs for b in wanting)
+        for b, record in zip(wanting, token_logprobs(logits[rows.to(logits.device)], tokens[rows], temps, top)):
+            seqs[b].pending_logprob = replace(record, top=record.top[:seqs[b].params.top_logprobs])
+    return tokens.tolist()
+
+
+def speculative_conflict(params: SamplingParams, constraint: TokenConstraint | None) -> str | None:
+    """The first field a speculative round cannot honour (its accepted tokens are drawn by rejection sampling
+    inside the verifier, not from one shaped distribution each), or None."""
+    asked = (("logprobs", params.logprobs), ("response_format", constraint is not None),
+             ("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),
+             ("repetition_penalty", params.repetition_penalty != 1), ("logit_bias", params.logit_bias),
+             ("min_tokens", params.min_tokens), ("min_p", params.min_p))
+    return next((name for name, on in asked if on), None)
+
+
+__all__ = ["TokenConstraint", "choose_tokens", "shape_logits", "shapes", "speculative_conflict"]

@@ -51,13 +51,13 @@ from openflash.serve.grammar import Grammar, GrammarCompiler
 from openflash.serve.guards import ApiKey, BodyLimit, ErrorGuard, RequestId, clip
 from openflash.serve.images import ImagePolicy
 from openflash.serve.jobs import Choice, Job
-from openflash.serve.logprobs import TokenNames, chat_logprobs, completion_logprobs
+from openflash.serve.logprobs import TokenNames, chat_choice_logprobs, completion_choice_logprobs
 from openflash.serve.prompts import ServerPrompts
-from openflash.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-                                      CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                      TokenizerInfo)
+from openflash.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from openflash.serve.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                       ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                       DeltaMessage, DetokenizeResponse, ModelCard, ModelList, TokenizeResponse,
+                                       TokenizerInfo)
 
 log = logging.getLogger("openflash.serve")
 
@@ -219,24 +219,7 @@ class OpenflashServer:
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
 
         def logprobs_of(choice: Choice, streamed: bool) -> CompletionLogprobs | None:
-            """The choice's log-probs not yet sent (all of them when not streaming)."""
-            if not scored:
-                return None
-            echoed = choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent
-            start = choice.logprobs_sent if streamed else 0
-            new = choice.logprobs[start:]
-            if streamed:
-                choice.logprobs_sent, choice.prompt_logprobs_sent = len(choice.logprobs), True
-            if not echoed:
-                offset = len(choice.prefix) if body.echo else len(self.tokenizer.decode(choice.prompt_ids))
-                before = completion_logprobs(choice.logprobs[:start], names, offset) if start else None
-                return completion_logprobs(new, names, offset if before is None else before.end)
-            prompt = completion_logprobs(choice.prompt_logprobs, names, 0, unscored=choice.prompt_ids[0])
-            rest = completion_logprobs(new, names, prompt.end)
-            return CompletionLogprobs(tokens=prompt.tokens + rest.tokens,
-                                      token_logprobs=prompt.token_logprobs + rest.token_logprobs,
-                                      top_logprobs=prompt.top_logprobs + rest.top_logprobs,
-                                      text_offset=prompt.text_offset + rest.text_offset)
+            return completion_choice_logprobs(choice, names, streamed) if scored else None
 
         def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if not (out.text or out.finished):
@@ -286,12 +269,7 @@ class OpenflashServer:
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
 
         def logprobs_of(choice: Choice, streamed: bool) -> ChatLogprobs | None:
-            if not body.logprobs:
-                return None
-            start = choice.logprobs_sent if streamed else 0
-            if streamed:
-                choice.logprobs_sent = len(choice.logprobs)
-            return chat_logprobs(choice.logprobs[start:], names)
+            return chat_choice_logprobs(choice, names, streamed) if body.logprobs else None
 
         def chunk_of(choice: Choice, out: RequestOutput) -> str | None:
             if choice.delta is None and not choice.done:

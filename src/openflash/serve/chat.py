@@ -14,8 +14,9 @@ from typing import Protocol, Sequence
 from openflash.chat.conversation import (IMAGE_MARK, ChatOptions, Content, Forcing, ImagePart, Piece, Reasoning,
                                          ToolCall, Turn, check_arguments, check_tool)
 from openflash.errors import RequestError
-from openflash.serve.protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, DeltaMessage,
-                                      FunctionCallDelta, FunctionCallOut, NamedToolChoice, ToolCallDelta, ToolCallOut)
+from openflash.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from openflash.serve.responses import (AssistantMessage, DeltaMessage, FunctionCallDelta, FunctionCallOut,
+                                       ToolCallDelta, ToolCallOut)
 
 
 class CompletionParser(Protocol):

@@ -17,7 +17,7 @@ from openflash.engine.sampling import SamplingParams, TokenLogprob
 from openflash.errors import OpenflashError
 from openflash.serve.chat import ChatReply, CompletionParser
 from openflash.serve.errors import APIError, engine_failure
-from openflash.serve.protocol import DeltaMessage, PromptTokensDetails, Usage
+from openflash.serve.responses import DeltaMessage, PromptTokensDetails, Usage
 from openflash.vision.prompt import PromptImage
 
 log = logging.getLogger("openflash.serve")

@@ -12,7 +12,8 @@ import codecs
 from tokenizers import Tokenizer
 
 from openflash.engine.sampling import TokenLogprob
-from openflash.serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from openflash.serve.jobs import Choice
+from openflash.serve.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 FLOOR = -9999.0
 
@@ -93,4 +94,33 @@ def chat_logprobs(records: list[TokenLogprob], name: TokenNames) -> ChatLogprobs
     return ChatLogprobs(content=content)
 
 
-__all__ = ["TokenNames", "completion_logprobs", "chat_logprobs"]
+def completion_choice_logprobs(choice: Choice, names: TokenNames, streamed: bool) -> CompletionLogprobs:
+    """A completion choice's log-probs: all of them (streamed: those not sent yet, which are then marked sent), its
+    echoed prompt's first. Offsets count in the prompt's text and then the completion's, as OpenAI counts them."""
+    echoed = choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent
+    start = choice.logprobs_sent if streamed else 0
+    new = choice.logprobs[start:]
+    if streamed:
+        choice.logprobs_sent, choice.prompt_logprobs_sent = len(choice.logprobs), True
+    if not echoed:
+        offset = len(choice.prefix) if choice.prefix else len(names.tokenizer.decode(choice.prompt_ids))
+        before = completion_logprobs(choice.logprobs[:start], names, offset) if start else None
+        return completion_logprobs(new, names, offset if before is None else before.end)
+    prompt = completion_logprobs(choice.prompt_logprobs, names, 0, unscored=choice.prompt_ids[0])
+    rest = completion_logprobs(new, names, prompt.end)
+    return CompletionLogprobs(tokens=prompt.tokens + rest.tokens,
+                              token_logprobs=prompt.token_logprobs + rest.token_logprobs,
+                              top_logprobs=prompt.top_logprobs + rest.top_logprobs,
+                              text_offset=prompt.text_offset + rest.text_offset)
+
+
+def chat_choice_logprobs(choice: Choice, names: TokenNames, streamed: bool) -> ChatLogprobs:
+    """A chat choice's log-probs: all of them, or (streamed) those not sent yet, which are then marked sent."""
+    start = choice.logprobs_sent if streamed else 0
+    if streamed:
+        choice.logprobs_sent = len(choice.logprobs)
+    return chat_logprobs(choice.logprobs[start:], names)
+
+
+__all__ = ["TokenNames", "completion_logprobs", "chat_logprobs", "completion_choice_logprobs",
+           "chat_choice_logprobs"]
