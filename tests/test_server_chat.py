@@ -227,7 +227,9 @@ def test_tool_choice_required_and_named(served):
     usage = client.chat.completions.create(model=NAME, temperature=0, **kwargs).usage
     tok = engine.tokenizer
     phase1 = len(tok.encode(plan + "</think>", add_special_tokens=False).ids)
-    rest = len(engine.scripts[plan])  # the second request's tokens, EOS included
+    # the second request's tokens: the call's grammar (serve/grammar.py) ends it at the block's close, so the
+    # script's EOS is never generated
+    rest = len(engine.scripts[plan]) - 1
     forced = len(tok.encode(engine.prompts[1][len(engine.prompts[0]) + len(plan) + len("</think>"):],
                             add_special_tokens=False).ids)
     assert usage.completion_tokens == phase1 + forced + rest
@@ -271,3 +273,37 @@ def test_bad_chat_requests_are_400s_naming_the_field(served, change, param):
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_a_forced_call_s_arguments_follow_the_tool_s_schema(served):
+    """A real (random) model, not a script: under tool_choice named or required the arguments are masked by the
+    call's grammar (chat/dsml.py call_grammar), so every sampled call parses and validates, thinking mode too."""
+    _, scripted, fmt = served
+    strict = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                           "maximum": 9},
+                       "unit": {"type": "string", "enum": ["C", "F"]}}}}}
+    engine = LLMEngine(scripted.runtime, EngineConfig(max_batch=8, max_context=2048, prefill_chunk=256,
+                                                      max_step_tokens=2048))
+    app = build_app(engine, scripted.tokenizer, ServerConfig(NAME, fmt, drain_timeout=2.0))
+    with LiveServer(app) as server:
+        client = server.client()
+        # thinking: a random model does not close its reasoning by itself, so </think> is favoured (logit_bias);
+        # the call's grammar then masks it, as everything else that is not the call
+        close = {str(scripted.tokenizer.token_to_id("</think>")): 100}
+        asks = [dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                dict(tool_choice="required"), dict(tool_choice="required", reasoning_effort="low", logit_bias=close)]
+        for seed, ask in enumerate(asks * 2):
+            out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Weather?"}],
+                                                 tools=[strict, LOOKUP], max_tokens=400, temperature=1.0, seed=seed,
+                                                 **ask)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (ask, choice)
+            for call in choice.message.tool_calls:
+                args = json.loads(call.function.arguments)
+                if call.function.name == "get_weather":
+                    assert len(args["city"]) <= 8 and "<" not in args["city"] and type(args["days"]) is int
+                    assert 1 <= args["days"] <= 9 and args.get("unit", "C") in ("C", "F")
+                else:
+                    assert call.function.name == "lookup" and set(args) <= {"query"}

@@ -103,10 +103,12 @@ class ChatOptions:
 @dataclass(frozen=True)
 class Forcing:
     """Completion text the server writes for the model (tool_choice required / named): at once, or, in thinking
-    mode, once the model has closed its reasoning with the token `after_token`."""
+    mode, once the model has closed its reasoning with the token `after_token`; `grammar` (llguidance's Lark
+    syntax): what the model writes after it, its calls' arguments following the tools' schemas."""
 
     text: str
     after_token: int | None = None
+    grammar: str | None = None
 
 
 # ---- what a completion parses into (in order; streaming hands them out as they become final) ----------------------

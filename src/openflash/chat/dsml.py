@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from openflash.chat.conversation import ToolCall
+from openflash.chat.conversation import ToolCall, ToolSpec
 
 DSML = "｜DSML｜"
 CALLS_OPEN = f"<{DSML} calls>"
@@ -60,6 +60,61 @@ def forced_opener(tool: str | None) -> str:
     """Completion text that commits the model to a call: of any tool (tool_choice "required") or of `tool`."""
     head = BLOCK_SEPARATOR + CALLS_OPEN + "\n" + INVOKE_OPEN + ' name="'
     return head if tool is None else head + f'{tool}">\n'
+
+
+def call_grammar(tools: tuple[ToolSpec, ...], forced_tool: str | None, dsml_token: int) -> str:
+    """The grammar (llguidance's Lark syntax) of what follows `forced_opener(forced_tool)`: the rest of that call,
+    its arguments following the tool's parameters schema, then any further calls and the block's end.
+
+    Each declared parameter in its declared order, the required ones always; a "string" one as raw text
+    (string="true", without "<": the text ends at the closing tag; its enum or length bounds kept), any other as
+    JSON that follows its schema (string="false"). `｜DSML｜` is matched as its own token (`dsml_token`), never spelled out in pieces."""
+    d = f"<[{dsml_token}]>"
+
+    def lit(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    def close(tag: str) -> str:
+        return f'"</" {d} {lit(" " + tag + ">")}'
+
+    first = f"first_{_rule(forced_tool)}" if forced_tool else "any_first"
+    rules = [f'start: {first} ("\\n" any_call)* "\\n" {close("calls")}', "TEXT: /[^<]*/"]
+    for tool in tools:
+        name = _rule(tool.name)
+        props = tool.parameters.get("properties") or {}
+        required = set(tool.parameters.get("required") or ())
+        params = []
+        for i, (key, schema) in enumerate(props.items()):
+            schema = schema if isinstance(schema, dict) else {}
+            text = schema.get("type") == "string"
+            head = lit(f' parameter name="{key}" string="{"true" if text else "false"}">')
+            value = f"%json {json.dumps(schema)}"
+            if text:
+                value = _text_value(schema)
+            rules.append(f'{name}_p{i}: "<" {d} {head} {value} {close("parameter")} "\\n"')
+            params.append(f"{name}_p{i}" + ("" if key in required else "?"))
+        rules.append(f"{name}_rest: " + " ".join([*params, close("invoke")]))
+        rules.append(f"first_{name}: {name}_rest")
+        rules.append(f"tail_{name}: {lit(tool.name + chr(34) + '>' + chr(10))} {name}_rest")
+        rules.append(f"call_{name}: \"<\" {d} {lit(' invoke name=' + chr(34))} tail_{name}")
+    rules.append("any_first: " + " | ".join(f"tail_{_rule(t.name)}" for t in tools))
+    rules.append("any_call: " + " | ".join(f"call_{_rule(t.name)}" for t in tools))
+    return "\n".join(rules) + "\n"
+
+
+def _text_value(schema: dict[str, Any]) -> str:
+    """A string parameter's raw text: one of its enum, or text without "<" within its length bounds."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) and "<" not in v for v in schema["enum"]):
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"]) + ")"
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        return f"/[^<]{{{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}}}/"
+    return "TEXT"
+
+
+def _rule(name: str) -> str:
+    """A grammar rule name for a tool's (any text: hex keeps it a valid, unique identifier)."""
+    return "t" + name.encode("utf-8").hex()
 
 
 def parse_invoke(text: str, tools: set[str], call_id: str) -> ToolCall:

@@ -155,6 +155,7 @@ class DeepSeekV41Format:
             raise ConfigError(f"the model's eos_token_id {eos_token_id} is not the tokenizer's {EOS!r} "
                               f"({tokenizer.token_to_id(EOS)})")
         self.think_end_id = tokenizer.token_to_id(THINK_END)
+        self.dsml_id = tokenizer.token_to_id(dsml.DSML)
 
     @staticmethod
     def missing_tokens(tokenizer: Tokenizer) -> list[str]:
@@ -231,5 +232,6 @@ class DeepSeekV41Format:
         """tool_choice required / named: the completion starts with the calls block (after the reasoning)."""
         if not options.tools_on or options.tool_choice not in ("required", "named"):
             return None
-        text = dsml.forced_opener(options.forced_tool if options.tool_choice == "named" else None)
-        return Forcing(text, self.think_end_id if options.thinking else None)
+        tool = options.forced_tool if options.tool_choice == "named" else None
+        grammar = dsml.call_grammar(options.tools, tool, self.dsml_id)
+        return Forcing(dsml.forced_opener(tool), self.think_end_id if options.thinking else None, grammar)

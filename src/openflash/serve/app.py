@@ -247,6 +247,8 @@ class OpenflashServer:
         prompt = await self.off_loop(self.prompts.chat, body.messages, options)
         ids = prompt.ids
         self.prompts.check_ids(ids, "messages")
+        calls = None if prompt.call_grammar is None else self.compiled(self.grammars.lark, prompt.call_grammar,
+                                                                       "tools")
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else \
             max(1, min(self.config.default_max_tokens, self.max_context - len(ids)))
@@ -258,9 +260,15 @@ class OpenflashServer:
                                        top_logprobs=body.top_logprobs or 0)
                 parser, reply = fmt.parser(options), ChatReply()
                 reply.add(parser.feed(prompt.forced))  # the forced text opens a call: nothing final yet
-                constraint = None if grammar is None else self.grammar_state(grammar, fmt.answer_after(options))
+                constraint = later = None
+                if grammar is not None:  # the answer's format
+                    constraint = self.grammar_state(grammar, fmt.answer_after(options))
+                elif calls is not None:  # a forced call's arguments: after the forced text, now or after reasoning
+                    state = self.grammar_state(calls, None)
+                    constraint, later = (state, None) if prompt.deferred is None else (None, state)
                 self.submit(job, body, ids, params, "messages", parser=parser, reply=reply,
-                            continuation=prompt.deferred, images=prompt.images, constraint=constraint)
+                            continuation=prompt.deferred, images=prompt.images, constraint=constraint,
+                            continuation_constraint=later)
         except APIError:
             job.abort_unfinished()
             raise
@@ -300,14 +308,16 @@ class OpenflashServer:
         if options.tools_on and options.tool_choice in ("required", "named"):
             raise APIError(400, "response_format: a JSON reply and a forced tool call exclude each other "
                                 "(tool_choice required / named)", param="response_format")
-        try:
-            return self.grammars.grammar(body.response_format)
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return self.compiled(self.grammars.grammar, body.response_format)
 
     def grammar_state(self, grammar: str, after_token: int | None) -> Grammar:
+        return self.compiled(self.grammars.start, grammar, after_token)
+
+    @staticmethod
+    def compiled(step: Any, *args: Any) -> Any:
+        """A grammar step (serve/grammar.py) whose RequestError is the request's 400, naming the field."""
         try:
-            return self.grammars.start(grammar, after_token)
+            return step(*args)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 

@@ -1,5 +1,6 @@
-"""Structured output: a chat request's `response_format` (json_object, json_schema) as a grammar its completion
-follows, token by token (engine/logits.py TokenConstraint).
+"""Structured output: a chat request's `response_format` (json_object, json_schema), or the arguments of a tool call
+it forces (tool_choice required / named: the chat format's grammar), as a grammar its completion follows, token by
+token (engine/logits.py TokenConstraint).
 
 The grammar library is llguidance (MIT, as openflash; no dependencies; a Rust core that computes a step's mask over a
 129K vocabulary in well under a millisecond on one CPU core, by measurement: benchmarks/grammar_mask.py). xgrammar
@@ -87,9 +88,22 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         except (TypeError, ValueError) as exc:
             raise RequestError(f"{param}: {exc}"[:500], param=param) from None
-        failed, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._index)
+        return self._checked(grammar, param, "the schema")
+
+    def lark(self, grammar: str, param: str) -> str:
+        """A grammar in llguidance's Lark syntax (a chat format's tool calls: chat/dsml.py call_grammar), compiled;
+        RequestError naming `param` for one the library refuses (a tool's parameters schema, say)."""
+        llguidance = self._llg()
+        try:
+            compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"{param}: {exc}"[:500], param=param) from None
+        return self._checked(compiled, param, "the tools' parameters schemas")
+
+    def _checked(self, grammar: str, param: str, what: str) -> str:
+        failed, problems = self._llg().LLMatcher.validate_grammar_with_warnings(grammar, self._index)
         if failed:
-            raise RequestError(f"{param}: the schema cannot be compiled into a grammar: {'; '.join(problems)[:500]}",
+            raise RequestError(f"{param}: {what} cannot be compiled into a grammar: {'; '.join(problems)[:500]}",
                                param=param)
         return grammar
 

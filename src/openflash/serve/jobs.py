@@ -46,6 +46,7 @@ class Choice:
     reply: ChatReply | None = None
     delta: DeltaMessage | None = None
     continuation: Forcing | None = None  # forced text to write once the model emits continuation.after_token
+    continuation_constraint: TokenConstraint | None = None  # the grammar the rest follows after that forced text
     images: list[PromptImage] = field(default_factory=list)  # the prompt's image spans
     token_ids: list[int] = field(default_factory=list)  # every completion token so far, forced ones included
     earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
@@ -76,7 +77,8 @@ class Job:
     def submit(self, ids: list[int], params: SamplingParams, ignore_eos: bool, prefix: str = "",
                parser: CompletionParser | None = None, reply: ChatReply | None = None,
                continuation: Forcing | None = None, images: list[PromptImage] | None = None,
-               constraint: TokenConstraint | None = None) -> None:
+               constraint: TokenConstraint | None = None,
+               continuation_constraint: TokenConstraint | None = None) -> None:
         index = len(self.choices)
         first = params
         if continuation is not None:  # stop at its token, then force the text (_continue)
@@ -85,7 +87,7 @@ class Job:
                                       images=images or (), adapter=self.adapter, constraint=constraint)
         self.choices.append(Choice(index, seq.request_id, list(ids), params, ignore_eos, prefix, bool(prefix),
                                     text=prefix, parser=parser, reply=reply, continuation=continuation,
-                                    images=list(images or ())))
+                                    continuation_constraint=continuation_constraint, images=list(images or ())))
 
     def apply(self, index: int, out: RequestOutput) -> Choice:
         c = self.choices[index]
@@ -127,7 +129,7 @@ class Job:
             seq = self.engine.add_request(c.prompt_ids + c.token_ids + forced_ids,
                                           replace(c.params, max_tokens=c.params.max_tokens - used),
                                           on_output=self._deliverer(c.index), ignore_eos=c.ignore_eos,
-                                          images=c.images, adapter=self.adapter)
+                                          images=c.images, adapter=self.adapter, constraint=c.continuation_constraint)
         except OpenflashError as exc:
             log.warning("forcing the tool call of choice %d failed: %s", c.index, exc)
             return None

@@ -35,6 +35,7 @@ class ChatPrompt:
     forced: str = ""
     deferred: Forcing | None = None
     images: list[PromptImage] = field(default_factory=list)
+    call_grammar: str | None = None  # what follows the forced text (Forcing.grammar), at once or deferred
 
 
 class ServerPrompts:
@@ -100,7 +101,8 @@ class ServerPrompts:
             if k < len(images):
                 segments.append(images[k])
         ids, placed = assemble(segments, self.model.image_token_id)
-        return ChatPrompt(ids, forced, forcing if not forced else None, placed)
+        return ChatPrompt(ids, forced, forcing if not forced else None, placed,
+                          None if forcing is None else forcing.grammar)
 
     def prepare_images(self, parts: list[Any]) -> list[PreparedImage]:
         """Decode and preprocess a request's image parts (RequestError naming the part for a bad one)."""
