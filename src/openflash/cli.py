@@ -401,6 +401,26 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", help="checkpoint folder or `openflash engram export` folder")
     verify.add_argument("--write", action="store_true", help="record checksums for the folder as it is now")
 
+    ev = _add(sub, "eval", "openflash.commands.evaluate:evaluate",
+              "score a model on lm-evaluation-harness tasks, or a prepared folder's held-out perplexity, in-process")
+    ev.add_argument("--model", required=True, help="preset name, checkpoint folder or training run folder")
+    ev.add_argument("--tasks", default=None,
+                    help="comma-separated lm-eval task names, task YAML files or folders of them")
+    ev.add_argument("--perplexity", default=None, metavar="DATA_DIR",
+                    help="instead of tasks: the perplexity of a prepared data folder's validation split")
+    ev.add_argument("--lora", default=None, help="a LoRA adapter folder or `train --lora` run to evaluate with")
+    ev.add_argument("--limit", type=int, default=None, help="the first N examples of each task (N documents)")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    ev.add_argument("--max-length", type=int, default=2048,
+                    help="positions a scored window predicts; a prompt and its generation (default 2048)")
+    ev.add_argument("--max-batch", type=int, default=16, help="sequences the engine runs together (default 16)")
+    ev.add_argument("--apply-chat-template", action="store_true",
+                    help="render prompts with the model's chat format (chat models)")
+    ev.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds (default 1234)")
+    ev.add_argument("--numerics", default="fp32", help="fp32 (default), plain, reference, ...")
+    ev.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
+    ev.add_argument("--out", default=None, help="write the results JSON here")
+
     plot = _add(sub, "plot", "openflash.commands.train:plot", "draw the loss curves of a run folder to PNG")
     plot.add_argument("run_dir", help="run folder with metrics.jsonl")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/loss.png)")
