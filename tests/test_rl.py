@@ -481,6 +481,15 @@ def test_the_reward_rises_on_a_learnable_task(learned):
     # held out (greedy): the policy's likeliest first token now starts with a space on prompts it never saw
     assert evals[1]["eval_solved"] >= 0.75 and evals[1]["eval_solved"] > evals[0]["eval_solved"], evals
     assert (tmp / "run" / "checkpoints" / "step_00000010" / "adapter_model.safetensors").is_file()
+    # the same curves as TensorBoard events (read back with tensorboard's own reader)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("rl/reward_mean")] == \
+        [(r["step"], round(r["reward_mean"], 4)) for r in steps]
+    assert [e.step for e in events.Scalars("eval/eval_solved")] == [0, 10]
+    assert {"rl/kl", "rl/entropy", "rl/lr", "rl/solved"} <= set(events.Tags()["scalars"])
     assert cli_main(["plot", str(tmp / "run")]) == 0 and (tmp / "run" / "reward.png").is_file()
 
 

@@ -538,3 +538,38 @@ def test_init_fine_tunes_a_checkpoint_from_its_own_weights(dataset: Path, tmp_pa
     prepare_dataset([tmp_path / "other_corpus"], tmp_path / "other_tok.json", other, val_fraction=0.2, progress=False)
     with pytest.raises(OpenflashError, match="prepared with another tokenizer"):
         _fit(other, tmp_path / "refused", init=str(stored), steps=2)
+
+
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run's TensorBoard scalars as tensorboard's own reader reads them: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_events_are_the_metrics_lines_and_a_resume_drops_the_steps_it_redoes(dataset: Path,
+                                                                                         tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _fit(dataset, out, steps=4, save_every=2, eval_every=2, keep_checkpoints=2)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scalars = _scalars(out)
+    train = [r for r in lines if "loss" in r]
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in train]
+    for key in ("lr", "grad_norm", "tokens_per_s"):
+        assert [s for s, _ in scalars[f"train/{key}"]] == [1, 2, 3, 4]
+    assert [s for s, _ in scalars["eval/val_loss"]] == [r["step"] for r in lines if "val_loss" in r]
+    # a run that stopped after logging step 4 but saving only step 2 (its step-4 checkpoint gone) resumes at 2: the
+    # events of steps 3 and 4 written before are dropped, as their metrics lines are, and written again
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step_00000004")
+    _fit(dataset, out, steps=6, save_every=2, eval_every=2, keep_checkpoints=2, resume=True)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    again = _scalars(out)
+    assert again["train/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in lines if "loss" in r]
+    assert [s for s, _ in again["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    none = tmp_path / "quiet"
+    _fit(dataset, none, steps=1, log_to=())
+    assert not (none / "tensorboard").exists() and (none / "metrics.jsonl").is_file()

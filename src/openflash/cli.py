@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 from openflash.commands.flags import device_flag, placement_flags, token_ids
 from openflash.errors import OpenflashError
+from openflash.files.metric_sinks import parse_log_to
 from openflash.sizes import SIZE_HELP, size_bytes
 
 
@@ -168,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "small; a run with --init takes its model's)")
     train.add_argument("--data", default=None, help="folder written by `openflash data prepare` (required, except "
                        "with --dspark, which defaults to the --init run's)")
-    train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    train.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl, tensorboard/)")
+    train.add_argument("--log-to", type=parse_log_to, default=("tensorboard",), metavar="tensorboard|none",
+                       help="where metric lines go besides metrics.jsonl: TensorBoard event files in RUN/tensorboard "
+                            "(the default; `tensorboard --logdir RUN`), or none")
     train.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -232,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exact: the answer equals the task's \"answer\"; tests: the completion's code passes the "
                          "task's \"tests\" in a sandbox; MODULE:FUNCTION (or FILE.py:FUNCTION): f(task, completion) "
                          "-> float")
-    rl.add_argument("--out", required=True, help="run folder (checkpoints with the adapter, metrics.jsonl)")
+    rl.add_argument("--out", required=True, help="run folder (checkpoints with the adapter, metrics.jsonl, "
+                                                 "tensorboard/)")
+    rl.add_argument("--log-to", type=parse_log_to, default=("tensorboard",), metavar="tensorboard|none",
+                    help="where metric lines go besides metrics.jsonl: TensorBoard event files in RUN/tensorboard "
+                         "(the default), or none")
     rl.add_argument("--lora", type=int, default=8, metavar="RANK", help="the adapter's rank")
     rl.add_argument("--lora-alpha", type=float, default=None, help="the adapter's alpha (default 2 x rank)")
     rl.add_argument("--lora-targets", nargs="+", default=None, metavar="REGEX",

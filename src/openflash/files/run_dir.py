@@ -1,7 +1,7 @@
 """The layout of a training run folder, read by training (resume) and by inference (a run means its latest
 checkpoint):
 
-    RUN/config.json, train_args.json, metrics.jsonl
+    RUN/config.json, train_args.json, metrics.jsonl, tensorboard/ (event files: files/metric_sinks.py)
     RUN/checkpoints/step_00000200/   config.json, model.safetensors, tokenizer.json, trainer_state.pt,
                                      checksums.sha256 (a complete checkpoint: it appears by one rename)
     RUN/checkpoints/.tmp_step_*      a save that did not finish (removed at the next start)
@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from openflash.errors import OpenflashError
 from openflash.files.atomic import write_json_atomic, write_text_atomic
+from openflash.files.metric_sinks import TensorBoardSink
 from openflash.files.shards import INDEX_FILE, SINGLE_FILE
 
 METRICS_FILE = "metrics.jsonl"
@@ -111,11 +112,15 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 @dataclass
 class RunFolder:
-    """The files of one training run: where it resumes from, its arguments, its metrics log and its checkpoints
-    (written by rank 0 only: `is_main`)."""
+    """The files of one training run: where it resumes from, its arguments, its metrics log (and the sinks of
+    `log_to`: files/metric_sinks.py, charted under `group`) and its checkpoints (written by rank 0 only:
+    `is_main`)."""
 
     path: Path
     is_main: bool = True
+    log_to: tuple[str, ...] = ()
+    group: str = "train"
+    sinks: list[TensorBoardSink] = field(default_factory=list, repr=False)
 
     def resume_point(self, resume: bool) -> Path | None:
         """The checkpoint to continue from (None: a new run), after clearing saves that did not finish."""
@@ -153,11 +158,22 @@ class RunFolder:
         else:
             truncate_metrics(metrics, step)
         write_json_atomic(self.path / ARGS_FILE, args)
+        self.close()
+        if "tensorboard" in self.log_to:
+            self.sinks.append(TensorBoardSink(self.path, self.group, None if config_json is not None else step))
         self.append_metrics(event)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        """Close the sinks (a run that ends; start() opens them again)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks.clear()
 
     def save(self, step: int, write: Callable[[Path], None], keep: int) -> Path:
         """Checkpoint `step`: `write(folder)` fills a temporary folder, which then appears by one rename; only the

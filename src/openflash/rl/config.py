@@ -58,6 +58,7 @@ class RLConfig:
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+    log_to: tuple[str, ...] = ("tensorboard",)  # besides metrics.jsonl (files/metric_sinks.py); () for none
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "max_turns", "max_prompt_tokens",

@@ -70,7 +70,7 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
 class RLTrainer:
     def __init__(self, cfg: RLConfig, on_step: Callable[["RLTrainer", dict[str, Any]], None] | None = None) -> None:
         self.cfg, self.on_step = cfg, on_step
-        self.run = RunFolder(Path(cfg.out))
+        self.run = RunFolder(Path(cfg.out), log_to=cfg.log_to, group="rl")
         self.resume_from = self.run.resume_point(cfg.resume)
         if self.resume_from is not None:
             self.run.check_resume_args(asdict(cfg), RESUME_FIXED)
@@ -130,6 +130,7 @@ class RLTrainer:
                 bar.close()
         final_eval = self.evaluate() if self.eval_tasks else None
         checkpoint = self._save()
+        self.run.close()
         return {"step": self.step, "checkpoint": checkpoint, "last": last,
                 "eval_before": first_eval, "eval_after": final_eval}
 

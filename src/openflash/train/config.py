@@ -47,6 +47,7 @@ class TrainConfig:
     verify_init: bool = False  # check the init checkpoint against its checksums.sha256 before training on it
     seed: int = 0
     progress: bool = True
+    log_to: tuple[str, ...] = ("tensorboard",)  # besides metrics.jsonl (files/metric_sinks.py); () for none
     compile: bool = False  # each block's training forward and backward through torch.compile (compiled_blocks.py)
     init: str | None = None  # fine-tune: start from this checkpoint, run folder or preset (train/finetune.py)
     lora: int | None = None  # LoRA rank: adapters on --init kept frozen as stored; checkpoints hold the adapters

@@ -128,7 +128,7 @@ class Trainer:
         self.ctx = ctx if ctx is not None else DistContext.current()
         self.on_step = on_step
         self.run_dir = Path(cfg.out)
-        self.run = RunFolder(self.run_dir, self.ctx.is_main)
+        self.run = RunFolder(self.run_dir, self.ctx.is_main, cfg.log_to, "train")
         self.train_data = TokenDataset(cfg.data, "train")
         self.val_data = TokenDataset(cfg.data, "val")
         self.tokenizer_path = self.train_data.tokenizer_path
@@ -264,6 +264,7 @@ class Trainer:
         if self.eval_set and stopped_by != "interrupt" and self._last_eval_step != self.step:
             self._evaluate_and_log()
         checkpoint = self._save()
+        self.run.close()
         self._seconds_before, self._fit_start = self.trained_seconds, None
         if ctx.is_main and cfg.progress:
             how = {"steps": "finished", "time": "stopped at the time limit", "interrupt": "interrupted"}[stopped_by]
