@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True
     prep = _add(data_sub, "prepare", "openflash.commands.train:data_prepare",
-                "tokenize text files into memory-mapped token shards with a manifest")
-    prep.add_argument("sources", nargs="+", help="text files or directories (walked recursively)")
+                "tokenize text files, chats or Hugging Face datasets into memory-mapped token shards")
+    prep.add_argument("sources", nargs="+", help="text files or directories (walked recursively); JSONL files with "
+                                                 "--chats; datasets with --dataset")
     prep.add_argument("--tokenizer", required=True, help="tokenizer.json path, or 'deepseek' for the official one")
     prep.add_argument("--out", required=True, help="output folder")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out for validation")
@@ -152,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "\"tools\": [...]}): rendered with the chat template, trained on the assistant replies only")
     prep.add_argument("--chat-template", default="auto", choices=["auto", "deepseek-v4.1", "simple"],
                       help="with --chats: the template (auto: deepseek-v4.1 for the released tokenizer, else simple)")
+    prep.add_argument("--dataset", action="store_true",
+                      help="the sources are Hugging Face datasets: data files (Parquet, Arrow, JSON lines, CSV), "
+                           "folders of them or from save_to_disk, or repo ids in the local cache (offline)")
+    prep.add_argument("--split", default="train", help="with --dataset: the split to read (default train)")
+    prep.add_argument("--text-field", default="text", help="with --dataset: the rows' text field (default text)")
+    prep.add_argument("--messages-field", default="messages",
+                      help="with --dataset --chats: the rows' conversation field (default messages)")
 
     tok = sub.add_parser("tokenizer", help="tokenizers")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")

@@ -62,12 +62,25 @@ def train_vision_pairs(args: argparse.Namespace) -> int:
 
 def data_prepare(args: argparse.Namespace) -> int:
     """`openflash data prepare SOURCES... --tokenizer T --out DIR [--val-fraction F] [--glob G] [--seed S]`, or
-    with `--chats`, JSONL conversations rendered with the chat template, trained on the replies only."""
+    with `--chats`, JSONL conversations rendered with the chat template, trained on the replies only; with
+    `--dataset`, the sources are Hugging Face datasets (their --text-field, or with --chats their
+    --messages-field)."""
+    defaults = {"split": "train", "text_field": "text", "messages_field": "messages"}
+    changed = [k for k, v in defaults.items() if getattr(args, k) != v]
+    if changed and not args.dataset:
+        raise OpenflashError(f"--{changed[0].replace('_', '-')} reads Hugging Face datasets: add --dataset")
     if args.chats:
         from openflash.train.chats import prepare_chats
 
         prepare_chats(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
-                      template=args.chat_template)
+                      template=args.chat_template, dataset_split=args.split if args.dataset else None,
+                      messages_field=args.messages_field)
+        return 0
+    if args.dataset:
+        from openflash.train.prepare_rows import prepare_rows
+
+        prepare_rows(args.sources, args.tokenizer, args.out, split=args.split, text_field=args.text_field,
+                     val_fraction=args.val_fraction, seed=args.seed)
         return 0
     prepare_dataset(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
                     patterns=parse_patterns(args.glob), seed=args.seed)

@@ -35,7 +35,8 @@ def held_out_perplexity(lm: Any, data_dir: str, limit: int | None = None) -> dic
         windows += map(make_disjoint_window, get_rolling_token_windows(
             token_list=doc[1:], prefix_token=doc[0], max_seq_len=lm.max_length, context_len=1))
     if not windows:
-        raise OpenflashError(f"{data_dir}: the validation split has no document of two tokens or more")
+        raise OpenflashError(f"{data_dir}: the validation split has no document of two tokens or more (prepare "
+                             f"the folder with a larger --val-fraction)")
     scored = lm.score(windows)
     tokens = sum(len(pred) for _, pred in windows)
     nll = -sum(logprob for logprob, _ in scored) / tokens

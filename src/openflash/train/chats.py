@@ -17,9 +17,8 @@ surrogates, a bad field) are all named with file, line and field, and then nothi
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from pydantic import ValidationError
@@ -32,13 +31,12 @@ from openflash.files.atomic import write_json_atomic
 from openflash.files.jsonl import BadLine, jsonl_lines
 from openflash.serve.chat import conversation
 from openflash.serve.protocol import ChatMessage, json_problem
-from openflash.tokenizer import load_tokenizer, resolve_tokenizer_path, tokenizer_sha256
-from openflash.train.dataset import (FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo,
-                                     token_dtype)
-from openflash.train.prepare import SplitWriter, check_eos, is_validation
+from openflash.tokenizer import tokenizer_sha256
+from openflash.train.dataset import FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo
+from openflash.train.fresh_folder import FreshFolder, refuse_bad
+from openflash.train.prepare import SplitWriter, is_validation
 from openflash.train.tokenizer import EOS_ID
 
-MAX_NAMED = 20  # bad lines listed in the error (the count says how many more)
 # One conversation: 4 MiB of text is about a million tokens, the released context; each assistant turn renders and
 # tokenizes the turns before it, so a longer line would cost memory and time far past what it could train.
 MAX_CHAT_LINE_BYTES = 4 << 20
@@ -91,31 +89,41 @@ def chat_examples(turns: list[Turn], options: ChatOptions, fmt: Any, tokenizer: 
     return out
 
 
+def dataset_chats(source: str, split: str, messages_field: str) -> Iterator[tuple[str, Any]]:
+    """(where, conversation) of a Hugging Face dataset's rows (train/hf_datasets.py): its `messages_field`, and its
+    "tools" where the row has them; a row without the field as a BadLine naming it."""
+    from openflash.train.hf_datasets import dataset_rows
+
+    for where, row in dataset_rows(source, split):
+        if messages_field not in row:
+            yield where, BadLine(where, f"no field {messages_field!r} (fields: {sorted(row)[:20]})")
+            continue
+        record = {"messages": row[messages_field]}
+        if row.get("tools") is not None:
+            record["tools"] = row["tools"]
+        yield where, record
+
+
 def prepare_chats(sources: Sequence[str | Path], tokenizer_spec: str | Path, out_dir: str | Path,
                   val_fraction: float = 0.01, seed: int = 0, template: str = "auto",
-                  shard_tokens: int = 1 << 24) -> Manifest:
-    """Render and tokenize the JSONL conversations of `sources` into `out_dir` (written aside, then renamed: an
-    interrupted run leaves nothing)."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise OpenflashError(f"val_fraction={val_fraction} must be in [0, 1)")
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise OpenflashError(f"{out_dir} already exists; chat data is written to a new folder")
-    tok_path = resolve_tokenizer_path(tokenizer_spec)
-    tokenizer = load_tokenizer(tok_path)
-    check_eos(tokenizer, tok_path)
+                  shard_tokens: int = 1 << 24, dataset_split: str | None = None,
+                  messages_field: str = "messages") -> Manifest:
+    """Render and tokenize the conversations of `sources` into `out_dir` (written aside, then renamed: an
+    interrupted run leaves nothing): JSONL files, or with `dataset_split` the rows of Hugging Face datasets (their
+    `messages_field`)."""
+    folder = FreshFolder.start(out_dir, tokenizer_spec, val_fraction, "chat data")
+    out_dir, tok_path, tokenizer, work = folder.out_dir, folder.tokenizer_path, folder.tokenizer, folder.work
     fmt = chat_format(tokenizer, EOS_ID - 1, EOS_ID, template)  # the DeepSeek convention: bos 0, eos 1
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    vocab, dtype = folder.vocab_size, folder.dtype
     try:
         fresh = {"shard_index": 0, "shard_fill": 0, "num_docs": 0}
         tokens = {s: SplitWriter(work, s, dtype, shard_tokens, dict(fresh)) for s in SPLITS}
         masks = {s: SplitWriter(work, f"{s}_mask", np.dtype("u1"), shard_tokens, dict(fresh)) for s in SPLITS}
         conversations, bad = 0, []
         for source in sources:
-            for where, raw in jsonl_lines(source, MAX_CHAT_LINE_BYTES):
+            records = jsonl_lines(source, MAX_CHAT_LINE_BYTES) if dataset_split is None else \
+                dataset_chats(str(source), dataset_split, messages_field)
+            for where, raw in records:
                 try:
                     if isinstance(raw, BadLine):
                         raise OpenflashError(str(raw))
@@ -131,10 +139,7 @@ def prepare_chats(sources: Sequence[str | Path], tokenizer_spec: str | Path, out
                     tokens[split].add(np.array(prompt + reply, dtype=dtype))
                     masks[split].add(np.array([0] * len(prompt) + [1] * len(reply), dtype="u1"))
                 conversations += 1
-        if bad:
-            shown = "\n  ".join(bad[:MAX_NAMED])
-            more = f"\n  ... and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
-            raise OpenflashError(f"{len(bad)} bad line(s); nothing was written:\n  {shown}{more}")
+        refuse_bad(bad, "line")
         infos: dict[str, SplitInfo] = {}
         for split in SPLITS:
             infos[split] = tokens[split].finish()
