@@ -76,9 +76,10 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
         assert abs(a["loss_exact"] - b["loss_exact"]) < 1e-5, (a["loss_exact"], b["loss_exact"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
         assert a["load_max_mean"] == b["load_max_mean"]  # expert loads were summed over the ranks
-    # Only rank 0 wrote the run folder.
+    # Only rank 0 wrote the run folder (one TensorBoard event file: files/metric_sinks.py).
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
-                                                                     "train_args.json"]
+                                                                     "tensorboard", "train_args.json"]
+    assert len(list((tmp_path / "two" / "tensorboard").iterdir())) == 1
 
 
 def _lora_base(tmp_path: Path) -> tuple[Path, Path]:
