@@ -116,3 +116,34 @@ def test_bad_sampling_values_name_their_field():
         with pytest.raises(RequestError) as e:
             SamplingParams(**kwargs).validate()
         assert e.value.param == field and field in str(e.value)
+
+
+class _OnlyEnd:
+    """A grammar whose only next token is the end (a finished document)."""
+
+    finished = False
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.end] = True
+        return mask
+
+    def advance(self, token: int) -> bool:
+        return token == self.end
+
+
+def test_a_request_whose_shaping_leaves_no_token_fails_alone(tiny):
+    """min_tokens holds back the end its grammar requires: that request fails with the reason, the others in the
+    batch go on (the sampler is never handed a row without a finite logit)."""
+    engine = LLMEngine(tiny, EngineConfig(max_batch=4, max_context=64, prefill_mode="exact"))
+    eos = tiny.cfg.eos_token_id
+    stuck = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, min_tokens=2, temperature=0.7, seed=1),
+                               constraint=_OnlyEnd(eos))
+    free = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), ignore_eos=True)
+    while engine.has_work():
+        engine.step()
+    assert stuck.finish_reason == "error" and "min_tokens" in stuck.error
+    assert free.finish_reason == "length" and len(free.output_ids) == 4

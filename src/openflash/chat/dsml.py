@@ -68,7 +68,8 @@ def call_grammar(tools: tuple[ToolSpec, ...], forced_tool: str | None, dsml_toke
 
     Each declared parameter in its declared order, the required ones always; a "string" one as raw text
     (string="true", without "<": the text ends at the closing tag; its enum or length bounds kept), any other as
-    JSON that follows its schema (string="false"). `｜DSML｜` is matched as its own token (`dsml_token`), never spelled out in pieces."""
+    JSON that follows its schema (string="false"). `｜DSML｜` is matched as its own token (`dsml_token`), never
+    spelled out in pieces."""
     d = f"<[{dsml_token}]>"
 
     def lit(text: str) -> str:

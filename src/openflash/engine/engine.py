@@ -38,7 +38,7 @@ from openflash.engine.loop import EngineLoop
 from openflash.engine.metrics import EngineMetrics
 from openflash.engine.prefix_cache import PrefixCache
 from openflash.engine.prompt import PromptIntake
-from openflash.engine.logits import TokenConstraint, choose_tokens, speculative_conflict
+from openflash.engine.logits import NO_CHOICE, NoTokenAllowed, TokenConstraint, choose_tokens, speculative_conflict
 from openflash.engine.request import ABORT, ERROR, LENGTH, RequestOutput, Sequence
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
 from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams
@@ -339,8 +339,8 @@ class LLMEngine:
             return False
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        if token == NO_TOKEN:  # its logits were not finite: this request fails, the others in its batch go on
-            return self._fail([seq], NonFiniteLogits(), "sampling")[0][1]
+        if token in (NO_TOKEN, NO_CHOICE):  # this request fails, the others in its batch go on
+            return self._fail([seq], NonFiniteLogits() if token == NO_TOKEN else NoTokenAllowed(), "sampling")[0][1]
         now = time.perf_counter()
         if seq.params.logprobs:
             seq.output_logprobs.append(seq.pending_logprob)

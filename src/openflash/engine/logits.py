@@ -18,6 +18,16 @@ import torch
 from openflash.engine.request import Sequence
 from openflash.engine.sampling import SamplingParams, sample, token_logprobs
 
+NO_CHOICE = -2  # what `choose_tokens` gives a row whose shaping excludes every token: that request fails
+
+
+class NoTokenAllowed(RuntimeError):
+    """A request's shaping left no token to sample (min_tokens holds back the end its grammar requires)."""
+
+    def __init__(self) -> None:
+        super().__init__("the request's constraints exclude every token (min_tokens holds back the end of "
+                         "sequence that its response_format's grammar requires next)")
+
 
 class TokenConstraint(Protocol):
     """A grammar a request's completion must follow (serve/grammar.py)."""
@@ -77,7 +87,10 @@ def choose_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     sampler; a sequence that asked for log-probs gets the token's on `pending_logprob` (from the unshaped logits),
     which the engine keeps when it appends the token."""
     finite = torch.isfinite(logits).all(dim=-1).cpu()  # (a grammar's mask adds -inf; NaN from the model is not)
-    tokens = sample(shape_logits(logits, seqs), [s.sampler for s in seqs], finite)
+    shaped = shape_logits(logits, seqs)
+    open_ = torch.ones_like(finite) if shaped is logits else torch.isfinite(shaped).any(dim=-1).cpu()
+    tokens = sample(shaped, [s.sampler for s in seqs], finite & open_)
+    tokens[finite & ~open_] = NO_CHOICE
     wanting = [b for b, s in enumerate(seqs) if s.params.logprobs]
     if wanting:
         rows = torch.tensor(wanting)
@@ -99,4 +112,5 @@ def speculative_conflict(params: SamplingParams, constraint: TokenConstraint | N
     return next((name for name, on in asked if on), None)
 
 
-__all__ = ["TokenConstraint", "choose_tokens", "shape_logits", "shapes", "speculative_conflict"]
+__all__ = ["TokenConstraint", "choose_tokens", "shape_logits", "shapes", "speculative_conflict", "NO_CHOICE",
+           "NoTokenAllowed"]

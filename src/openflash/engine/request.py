@@ -76,7 +76,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: each output id's
-    pending_logprob: TokenLogprob | None = None  # the token being sampled (logits.choose_tokens to the engine's _append)
+    pending_logprob: TokenLogprob | None = None  # the token being sampled (logits.choose_tokens to _append)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.prompt_logprobs: tokens 1..
     prompt_logprobs_sent: bool = False
     constraint: TokenConstraint | None = None  # a grammar the completion follows (engine/logits.py)

@@ -70,8 +70,8 @@ def prepare_rows(sources: Sequence[str], tokenizer_spec: str | Path, out_dir: st
             raise OpenflashError(f"no training text in {', '.join(sources)} (field {text_field!r} of split {split!r}: "
                                  f"all empty, or all held out)")
         shutil.copy(folder.tokenizer_path, work / TOKENIZER_FILE)
-        manifest = Manifest(FORMAT_VERSION, tokenizer_sha256(tokenizer), TOKENIZER_FILE, folder.vocab_size, EOS_ID, dtype.name,
-                            shard_tokens, list(sources), [f"dataset split {split}, field {text_field}"],
+        manifest = Manifest(FORMAT_VERSION, tokenizer_sha256(tokenizer), TOKENIZER_FILE, folder.vocab_size, EOS_ID,
+                            dtype.name, shard_tokens, list(sources), [f"dataset split {split}, field {text_field}"],
                             float(val_fraction), int(seed), "", rows, {"dataset": rows},
                             {"count": 0, "by_reason": {}, "files": []}, infos)
         write_json_atomic(work / MANIFEST_FILE, manifest.to_dict())
