@@ -112,7 +112,8 @@ def status() -> Status:
     lib.of_fp4_experts.argtypes = [p, i, i, i, ptrs, ptrs, ptrs, ptrs, ptrs, ptrs, i, p, p, p, ctypes.c_float, i, i,
                                    p, i]
     isa = {"1": features | ISA_INTEGER_FP4, "avx2": ISA_AVX2 | ISA_INTEGER_FP4, "avx2-float": ISA_AVX2}[choice]
-    names = ("AVX-512 BF16 (FP8/FP4 after the activation QDQ) and AVX2" if isa & ISA_AVX512_BF16
+    names = ("AVX-512 BF16 (FP8, and FP4 of several rows, after the activation QDQ) and AVX2 (one-row FP4 in "
+             "integers)" if isa & ISA_AVX512_BF16
              else "AVX2 (FP4 after the activation QDQ in integers)" if isa & ISA_INTEGER_FP4 else "AVX2 (floats only)")
     return Status(lib, f"{names} kernels from {library_path()}", isa)
 
