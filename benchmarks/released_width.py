@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import load_checkpoint, resident_bytes
+from openflash.checkpoint import load_checkpoint
+from openflash.residency import resident_bytes
 from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
 from openflash.model import routed

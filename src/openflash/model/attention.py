@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openflash import kernels
 from openflash.config import FlashConfig
+from openflash.kernels import native
 from openflash.model.stores import CompressedCache
 from openflash.model.compiled import compiled, matmul_unshared
 from openflash.model.context import CompressedView, StepContext, real_tokens
@@ -169,8 +171,7 @@ class Attention(nn.Module, NumericsMixin):
         B, S = o.shape[:2]
         o = n.round(self.rotary.apply(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True))
         o = o.reshape(B, S, self.o_groups, -1)
-        wo_a = self.wo_a.dequantized_weight().view(self.o_groups, self.o_lora, -1)
-        return self.wo_b(attention_kernels(n).grouped_output(o, wo_a).flatten(2))
+        return self.wo_b(attention_kernels(n).grouped_output(o, self.wo_a).flatten(2))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, topo = self.numerics, self.topo
@@ -249,10 +250,21 @@ class AttentionKernels:
     def sparse_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_attention(*args)
 
-    def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+    def grouped_output(self, o: torch.Tensor, wo_a: Linear) -> torch.Tensor:
+        """o [B, S, groups, d] through each group's block of wo_a [groups * r, d]: [B, S, groups, r]."""
+        groups, d = o.shape[2], o.shape[3]
+        if wo_a.stored_format == "bf16" and not torch.compiler.is_compiling() and \
+                kernels.serves(o[:, :, 0], wo_a.weight, "bf16"):
+            # A weight kept as stored (bf16, as the reference holds it): each group's rows through the bf16 product
+            # on it, not an fp32 copy of the whole matrix made every step (134 MB a layer at the released widths:
+            # a third of a one-layer decode step, docs/benchmarks.md).
+            w, x = wo_a.weight.view(groups, -1, d), o.reshape(-1, groups, d)
+            y = torch.stack([native.bf16_gemv(x[:, j].contiguous(), w[j]) for j in range(groups)], dim=1)
+            return y.view(*o.shape[:3], -1)
+        w = wo_a.dequantized_weight().view(groups, -1, d)
         if o.shape[0] * o.shape[1] == 1:  # one token: each group's weight meets one row, see matmul_unshared
-            return matmul_unshared(o.reshape(o.shape[2], 1, o.shape[3]), wo_a).view(*o.shape[:3], wo_a.shape[1])
-        return torch.einsum("bsgd,grd->bsgr", o, wo_a)
+            return matmul_unshared(o.reshape(groups, 1, d), w).view(*o.shape[:3], w.shape[1])
+        return torch.einsum("bsgd,grd->bsgr", o, w)
 
 
 class ReferenceAttentionKernels(AttentionKernels):
@@ -276,8 +288,9 @@ class ReferenceAttentionKernels(AttentionKernels):
             ids = torch.cat((ids, torch.where(picks >= 0, picks + offset, -1)), dim=-1)
         return reference_sparse_attention(q, kv_list, ids, attn.attn_sink.float(), attn.scale), None
 
-    def grouped_output(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bsgd,grd->bsgr", o.to(torch.bfloat16), wo_a.to(torch.bfloat16)).float()
+    def grouped_output(self, o: torch.Tensor, wo_a: Linear) -> torch.Tensor:
+        w = wo_a.dequantized_weight().view(o.shape[2], -1, o.shape[3])
+        return torch.einsum("bsgd,grd->bsgr", o.to(torch.bfloat16), w.to(torch.bfloat16)).float()
 
 
 class TrainAttentionKernels(AttentionKernels):
