@@ -253,11 +253,11 @@ class AttentionKernels:
     def grouped_output(self, o: torch.Tensor, wo_a: Linear) -> torch.Tensor:
         """o [B, S, groups, d] through each group's block of wo_a [groups * r, d]: [B, S, groups, r]."""
         groups, d = o.shape[2], o.shape[3]
-        if wo_a.stored_format == "bf16" and not torch.compiler.is_compiling() and \
+        if wo_a.stored_format == "bf16" and not o.requires_grad and not torch.compiler.is_compiling() and \
                 kernels.serves(o[:, :, 0], wo_a.weight, "bf16"):
-            # A weight kept as stored (bf16, as the reference holds it): each group's rows through the bf16 product
-            # on it, not an fp32 copy of the whole matrix made every step (134 MB a layer at the released widths:
-            # a third of a one-layer decode step, docs/benchmarks.md).
+            # A weight kept as stored (bf16, as the reference holds it), at inference: each group's rows through the
+            # bf16 product on it, not an fp32 copy of the whole matrix made every step (134 MB a layer at the
+            # released widths: a third of a one-layer decode step, docs/benchmarks.md). (The kernel has no backward.)
             w, x = wo_a.weight.view(groups, -1, d), o.reshape(-1, groups, d)
             y = torch.stack([native.bf16_gemv(x[:, j].contiguous(), w[j]) for j in range(groups)], dim=1)
             return y.view(*o.shape[:3], -1)
