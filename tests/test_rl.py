@@ -163,6 +163,15 @@ def test_tasks_name_bad_lines_and_keep_the_good(tiny, tmp_path, caplog):
     kept = read_tasks(long, tiny.tokenizer, None, None, max_prompt_tokens=64)
     assert [t.where.rsplit(":", 1)[1] for t in kept] == ["1"]
     assert "long.jsonl:2: the prompt is" in caplog.text and "past --max-prompt-tokens 64" in caplog.text
+    # a 10 MB prompt (text or chat) is refused by its length, before the tokenizer sees it
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"prompt": "2 + 2 =", "answer": "4"}) + "\n" +
+                    json.dumps({"prompt": "x = 1\n" * ((10 << 20) // 6), "answer": "4"}) + "\n" +
+                    json.dumps({"messages": [{"role": "user", "content": "y" * (10 << 20)}], "answer": "4"}) + "\n")
+    start = time.monotonic()
+    kept = read_tasks(huge, tiny.tokenizer, None, None, max_prompt_tokens=8192)
+    assert [t.where.rsplit(":", 1)[1] for t in kept] == ["1"] and time.monotonic() - start < 20
+    assert "huge.jsonl:2: the prompt is 10,485," in caplog.text and "huge.jsonl:3: the prompt is" in caplog.text
 
 
 def test_rewards_exact_and_user_functions(tmp_path):

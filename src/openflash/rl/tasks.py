@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer
 
@@ -25,6 +25,7 @@ from openflash.errors import OpenflashError
 from openflash.files.jsonl import BadLine, jsonl_lines
 from openflash.rl.environment import ToolEnvironment
 from openflash.rl.user_code import import_function
+from openflash.tokenizer import max_chars_per_token
 
 log = logging.getLogger("openflash.rl")
 
@@ -56,6 +57,16 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
     tasks: list[Task] = []
     bad: list[str] = []
     environments: dict[str, ToolEnvironment] = {}  # each named function imported once
+    # A text of n characters has at least n / bound tokens: an oversized prompt is refused before it is tokenized
+    # (a 10 MB line would take minutes), where the tokenizer allows such a bound.
+    bound = max_chars_per_token(tokenizer) if max_prompt_tokens is not None else None
+
+    def encode(text: str) -> list[int]:
+        if bound is not None and len(text) // bound > max_prompt_tokens:
+            raise OpenflashError(f"the prompt is {len(text):,} characters, so at least {len(text) // bound:,} tokens, "
+                                 f"past --max-prompt-tokens {max_prompt_tokens}")
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
     for where, record in jsonl_lines(path):
         try:
             if isinstance(record, BadLine):
@@ -68,11 +79,11 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
             if "prompt" in record:
                 if not isinstance(record["prompt"], str) or not record["prompt"]:
                     raise OpenflashError("'prompt' must be a non-empty string")
-                ids, chat = tokenizer.encode(record["prompt"], add_special_tokens=False).ids, False
+                ids, chat = encode(record["prompt"]), False
             elif "messages" in record:
                 if fmt is None:
                     fmt = chat_format(tokenizer, bos_token_id, eos_token_id)
-                ids, turns, options = _chat_prompt(record, fmt, tokenizer)
+                ids, turns, options = _chat_prompt(record, fmt, encode)
                 chat = True
             else:
                 raise OpenflashError("neither 'prompt' (text) nor 'messages' (chat)")
@@ -104,7 +115,7 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
     return tasks
 
 
-def _chat_prompt(record: dict[str, Any], fmt: Any, tokenizer: Tokenizer
+def _chat_prompt(record: dict[str, Any], fmt: Any, encode: Callable[[str], list[int]]
                  ) -> tuple[list[int], list[Turn], ChatOptions]:
     """A chat task's prompt: its messages (and tools) rendered as the server would for the next assistant turn,
     with the turns and options they were rendered from."""
@@ -121,4 +132,4 @@ def _chat_prompt(record: dict[str, Any], fmt: Any, tokenizer: Tokenizer
         text = fmt.render(turns[:-1], options)
     except Exception as exc:  # RequestError: a conversation the template cannot render
         raise OpenflashError(f"messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False).ids, turns[:-1], options
+    return encode(text), turns[:-1], options
