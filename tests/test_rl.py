@@ -570,3 +570,24 @@ def test_a_blown_up_update_stops_the_run_and_keeps_the_last_checkpoint(tmp_path)
     with pytest.raises(OpenflashError, match="lower --lr"):
         trainer.fit()
     assert trainer.step <= 2
+
+
+def test_a_tool_that_hangs_exits_or_floods_answers_with_an_error_and_the_run_goes_on():
+    import sys
+
+    from openflash.chat.conversation import ToolCall
+    from openflash.rl.environment import MAX_RESULT_CHARS, ToolEnvironment
+
+    call = ToolCall("c1", "price", json.dumps({"item": "milk"}))
+    cases = [(lambda c, t: time.sleep(30), "error: the tool did not answer in time", "took more than 0.5 s"),
+             (lambda c, t: sys.exit(0), "error: SystemExit", "raised SystemExit"),
+             (lambda c, t: "\ud800", "error: UnicodeEncodeError", "not text or JSON"),
+             (lambda c, t: {1, 2}, "error: TypeError", "not text or JSON")]
+    for function, result, problem in cases:
+        start = time.monotonic()
+        text, why = ToolEnvironment("m:f", function, timeout=0.5).answer(call, {})
+        assert text.startswith(result) and problem in why and time.monotonic() - start < 5, (text, why)
+    text, why = ToolEnvironment("m:f", lambda c, t: "x" * (20 << 20)).answer(call, {})
+    assert len(text) < MAX_RESULT_CHARS + 100 and "cut" in text and "20,971,520 characters" in why
+    text, why = ToolEnvironment("m:f", lambda c, t: {"price": 3}).answer(call, {"answer": "3"})
+    assert text == '{"price": 3}' and why is None

@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 from openflash.chat.completion import CompletionParser
 from openflash.chat.conversation import ChatOptions, Content, Reasoning, ToolCall, Turn
 from openflash.errors import OpenflashError
+from openflash.rl.user_code import call_limited
 
 
 class ChatTemplate(Protocol):
@@ -35,18 +36,34 @@ class ChatTemplate(Protocol):
     def parser(self, options: ChatOptions) -> CompletionParser: ...
 
 
+MAX_RESULT_CHARS = 1 << 16  # a tool result past this is cut (a turn has TOOL_ROOM tokens of context anyway)
+
+
 @dataclass(frozen=True)
 class ToolEnvironment:
     spec: str  # MODULE:FUNCTION
     function: Callable[[dict[str, Any], dict[str, Any]], Any]
+    timeout: float = 5.0  # seconds a call may take (--reward-timeout): one that hangs answers with an error
 
     def answer(self, call: ToolCall, fields: dict[str, Any]) -> tuple[str, str | None]:
         """The tool result of `call`, and what went wrong when the function failed (None when it did not)."""
-        try:
-            value = self.function({"name": call.name, "arguments": call.argument_values()}, dict(fields))
-            return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), None
-        except Exception as exc:  # a user's bug (or an unserialisable result) is the call's result, not a crash
+        outcome = call_limited(self.function, ({"name": call.name, "arguments": call.argument_values()},
+                                               dict(fields)), self.timeout, f"tool {self.spec}")
+        if outcome.timed_out:
+            return "error: the tool did not answer in time", f"{self.spec} took more than {self.timeout:g} s"
+        if outcome.error is not None:  # a user's bug (or exit) is the call's result, not a crash
+            exc = outcome.error
             return f"error: {type(exc).__name__}: {exc}", f"{self.spec} raised {type(exc).__name__}: {exc}"
+        try:
+            text = outcome.value if isinstance(outcome.value, str) else \
+                json.dumps(outcome.value, ensure_ascii=False)
+            text.encode("utf-8")  # (a lone surrogate would fail the tokenizer later)
+        except (TypeError, ValueError) as exc:
+            return f"error: {type(exc).__name__}: {exc}", f"{self.spec} returned what is not text or JSON: {exc}"
+        if len(text) > MAX_RESULT_CHARS:
+            return (text[:MAX_RESULT_CHARS] + f"... (result cut: {len(text):,} characters)",
+                    f"{self.spec} returned {len(text):,} characters, cut at {MAX_RESULT_CHARS:,}")
+        return text, None
 
 
 def reply_turn(fmt: ChatTemplate, options: ChatOptions, text: str) -> Turn:

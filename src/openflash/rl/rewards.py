@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -24,7 +23,7 @@ from openflash.chat.conversation import Content
 from openflash.errors import OpenflashError
 from openflash.rl.sandbox import Sandbox, require
 from openflash.rl.tasks import Task
-from openflash.rl.user_code import import_function
+from openflash.rl.user_code import call_limited, import_function
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -94,25 +93,14 @@ class UserReward:
     needs: str | None = None
 
     def __call__(self, task: Task, completion: str) -> Score:
-        # In a thread of its own: a call that hangs scores 0 after the timeout (the thread is left to finish; Python
-        # cannot stop it), and one that calls sys.exit ends that thread, not the run.
-        result: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                result["value"] = self.function(dict(task.fields), completion)
-            except BaseException as exc:  # a user's bug (or exit) scores this sample 0; training goes on
-                result["error"] = exc
-
-        worker = threading.Thread(target=call, name=f"reward {self.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if worker.is_alive():
+        # A call that hangs scores 0 after the timeout, one that calls sys.exit ends its thread, not the run.
+        outcome = call_limited(self.function, (dict(task.fields), completion), self.timeout, f"reward {self.name}")
+        if outcome.timed_out:
             return Score(0.0, f"{self.name} took more than {self.timeout:g} s (--reward-timeout)")
-        if "error" in result:
-            exc = result["error"]
+        if outcome.error is not None:
+            exc = outcome.error
             return Score(0.0, f"{self.name} raised {type(exc).__name__}: {exc}")
-        value = result["value"]
+        value = outcome.value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return Score(0.0, f"{self.name} returned {value!r}, not a finite number")
         return Score(float(value))

@@ -49,10 +49,11 @@ class Task:
 
 
 def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None, eos_token_id: int | None,
-               needs: str | None = None, max_prompt_tokens: int | None = None) -> list[Task]:
+               needs: str | None = None, max_prompt_tokens: int | None = None,
+               tool_timeout: float = 5.0) -> list[Task]:
     """The good tasks of a JSONL file, each with its prompt tokenized; bad lines logged by place and skipped.
     needs: a field every task must have (the reward's: "answer" or "tests"); max_prompt_tokens: a longer prompt is
-    a bad line. OpenflashError when none is good."""
+    a bad line; tool_timeout: seconds an environment's function may take a call. OpenflashError when none is good."""
     fmt = None
     tasks: list[Task] = []
     bad: list[str] = []
@@ -101,7 +102,7 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
                 if not isinstance(spec, str):
                     raise OpenflashError(f"'environment' must be a MODULE:FUNCTION string, got {spec!r}")
                 if spec not in environments:
-                    environments[spec] = ToolEnvironment(spec, import_function(spec, "'environment'"))
+                    environments[spec] = ToolEnvironment(spec, import_function(spec, "'environment'"), tool_timeout)
                 environment = environments[spec]
             tasks.append(Task(where, tuple(ids), chat, record, tuple(turns), options, environment))
         except OpenflashError as exc:

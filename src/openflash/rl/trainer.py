@@ -84,7 +84,7 @@ class RLTrainer:
         model_cfg = self.runtime.cfg
         read = dict(tokenizer=self.runtime.tokenizer, bos_token_id=model_cfg.bos_token_id,
                     eos_token_id=model_cfg.eos_token_id, needs=self.reward.needs,
-                    max_prompt_tokens=cfg.max_prompt_tokens)
+                    max_prompt_tokens=cfg.max_prompt_tokens, tool_timeout=cfg.reward_timeout)
         self.tasks = read_tasks(cfg.tasks, **read)
         self.eval_tasks = read_tasks(cfg.eval_tasks, **read) if cfg.eval_tasks else []
         self.chat_format = chat_format(self.runtime.tokenizer, model_cfg.bos_token_id, model_cfg.eos_token_id) \
