@@ -231,6 +231,8 @@ def test_lora_merge_writes_a_checkpoint_not_a_run_step(base, tmp_path, capsys):
     (tmp_path / "file").write_text("keep me")
     assert cli_main(["lora", "merge", str(run_step), str(adapter), str(tmp_path / "file")]) == 2
     assert "is a file" in capsys.readouterr().err and (tmp_path / "file").read_text() == "keep me"
+    assert cli_main(["lora", "merge", str(run_step), str(adapter), str(tmp_path / "file" / "under" / "it")]) == 2
+    assert "is a file, so no folder can be made under it" in capsys.readouterr().err
 
 
 def _data(base: Path, tmp: Path) -> Path:

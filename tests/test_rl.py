@@ -168,10 +168,12 @@ def test_tasks_name_bad_lines_and_keep_the_good(tiny, tmp_path, caplog):
     huge.write_text(json.dumps({"prompt": "2 + 2 =", "answer": "4"}) + "\n" +
                     json.dumps({"prompt": "x = 1\n" * ((10 << 20) // 6), "answer": "4"}) + "\n" +
                     json.dumps({"messages": [{"role": "user", "content": "y" * (10 << 20)}], "answer": "4"}) + "\n")
+    huge.write_text(huge.read_text() + '{"prompt": "a\\ud800b", "answer": "4"}\n')
     start = time.monotonic()
     kept = read_tasks(huge, tiny.tokenizer, None, None, max_prompt_tokens=8192)
     assert [t.where.rsplit(":", 1)[1] for t in kept] == ["1"] and time.monotonic() - start < 20
     assert "huge.jsonl:2: the prompt is 10,485," in caplog.text and "huge.jsonl:3: the prompt is" in caplog.text
+    assert "huge.jsonl:4: the prompt holds a lone UTF-16 surrogate (U+D800) at character 1" in caplog.text
 
 
 def test_rewards_exact_and_user_functions(tmp_path):

@@ -63,6 +63,11 @@ def read_tasks(path: str | Path, tokenizer: Tokenizer, bos_token_id: int | None,
     bound = max_chars_per_token(tokenizer) if max_prompt_tokens is not None else None
 
     def encode(text: str) -> list[int]:
+        try:
+            text.encode("utf-8")  # (JSON allows escapes of lone surrogates; no tokenizer takes them)
+        except UnicodeEncodeError as bad:
+            raise OpenflashError(f"the prompt holds a lone UTF-16 surrogate (U+{ord(text[bad.start]):04X}) at "
+                                 f"character {bad.start}, which is not text") from None
         if bound is not None and len(text) // bound > max_prompt_tokens:
             raise OpenflashError(f"the prompt is {len(text):,} characters, so at least {len(text) // bound:,} tokens, "
                                  f"past --max-prompt-tokens {max_prompt_tokens}")

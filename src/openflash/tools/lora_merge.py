@@ -66,6 +66,9 @@ def merge_adapter(base: str | Path, adapter: str | Path, out: str | Path,
     base, out = Path(base), Path(out)
     if out.exists() and not out.is_dir():
         raise OpenflashError(f"{out} is a file; the merged checkpoint goes to a new folder")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # checked before the merge's work, not at its end
+        raise OpenflashError(f"{out}: {above} is a file, so no folder can be made under it")
     if out.exists() and any(out.iterdir()):
         raise OpenflashError(f"{out} already exists and is not empty; the merged checkpoint goes to a new folder")
     if out.resolve().parent.name == CHECKPOINTS_DIR:
