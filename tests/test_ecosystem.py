@@ -88,6 +88,8 @@ def test_a_model_id_is_found_in_the_hugging_face_cache_offline(checkpoint, tmp_p
 def test_every_size_flag_takes_units():
     assert parse_size("24GiB", "--memory") == 24 << 30 and parse_size("80GB", "x") == 80 * 10 ** 9
     assert parse_size("1.5KiB", "x") == 1536 and parse_size("1e6", "x") == 10 ** 6 and parse_size(4096, "x") == 4096
+    with pytest.raises(OpenflashError, match=r"--memory: '1e400' is not a size .*at most 1 EiB"):
+        parse_size("1e400", "--memory")  # not an OverflowError
     with pytest.raises(OpenflashError, match=r"--memory: 'lots' is not a size"):
         parse_size("lots", "--memory")
     parser = build_parser()

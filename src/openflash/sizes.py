@@ -14,13 +14,19 @@ SIZE_HELP = "bytes: a number, or with a unit (512MiB, 8GiB, 80GB; KiB/MiB/GiB/Ti
 
 
 def _problem(text: str | int) -> str:
-    return f"{text!r} is not a size (e.g. 24GiB, 80GB, 512MiB, 4096)"
+    return f"{text!r} is not a size (e.g. 24GiB, 80GB, 512MiB, 4096; at most 1 EiB)"
+
+
+MAX_BYTES = 1 << 60  # an exbibyte: past any machine (and `1e400` is no size, not an overflow)
 
 
 def _bytes(text: str | int) -> int | None:
     m = _SIZE.match(str(text))
     unit = (m.group(2) or "").upper() if m else ""
-    return int(float(m.group(1)) * _UNITS[unit]) if m and unit in _UNITS else None
+    if not m or unit not in _UNITS:
+        return None
+    value = float(m.group(1)) * _UNITS[unit]
+    return int(value) if value <= MAX_BYTES else None
 
 
 def parse_size(text: str | int, what: str) -> int:
