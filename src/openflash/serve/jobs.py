@@ -52,6 +52,7 @@ class Choice:
     earlier_tokens: int = 0  # completion tokens of the engine requests before the current one
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens' (params.logprobs)
     logprobs_sent: int = 0  # streaming: of those, the ones already in a chunk
+    logprobs_offset: int = 0  # streaming: the text offset after the last of them
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after its first (params.prompt_logprobs)
     prompt_logprobs_sent: bool = False
 

@@ -30,6 +30,9 @@ def _byte_alphabet() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
 
 
+BYTE_ALPHABET = _byte_alphabet()  # (built once: every request names tokens through it)
+
+
 class TokenNames:
     """What a token is called in a log-prob entry: its text, or, for a piece of a UTF-8 character (no text of its
     own), OpenAI's "bytes:\\xNN..." form, so that two such tokens never share a name; "token_id:N" with vLLM's
@@ -38,7 +41,7 @@ class TokenNames:
     def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self.tokenizer, self.as_ids = tokenizer, as_ids
         byte_level = "ByteLevel" in repr(tokenizer.decoder)  # (a Sequence of decoders names its parts too)
-        self.alphabet = _byte_alphabet() if byte_level else {}
+        self.alphabet = BYTE_ALPHABET if byte_level else {}
 
     def bytes(self, token: int) -> bytes:
         """The token's bytes: from its piece in a byte-level vocabulary, else its text's UTF-8."""
@@ -95,23 +98,26 @@ def chat_logprobs(records: list[TokenLogprob], name: TokenNames) -> ChatLogprobs
 
 
 def completion_choice_logprobs(choice: Choice, names: TokenNames, streamed: bool) -> CompletionLogprobs:
-    """A completion choice's log-probs: all of them (streamed: those not sent yet, which are then marked sent), its
-    echoed prompt's first. Offsets count in the prompt's text and then the completion's, as OpenAI counts them."""
+    """A completion choice's log-probs: all of them (streamed: those not sent yet, which are then marked sent, the
+    offset after them kept on the choice), its echoed prompt's first. Offsets count in the prompt's text and then the
+    completion's, as OpenAI counts them."""
     echoed = choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent
     start = choice.logprobs_sent if streamed else 0
     new = choice.logprobs[start:]
+    if echoed:
+        prompt = completion_logprobs(choice.prompt_logprobs, names, 0, unscored=choice.prompt_ids[0])
+        rest = completion_logprobs(new, names, prompt.end)
+        out = CompletionLogprobs(tokens=prompt.tokens + rest.tokens,
+                                 token_logprobs=prompt.token_logprobs + rest.token_logprobs,
+                                 top_logprobs=prompt.top_logprobs + rest.top_logprobs,
+                                 text_offset=prompt.text_offset + rest.text_offset, end=rest.end)
+    else:
+        offset = choice.logprobs_offset if streamed and start else \
+            len(choice.prefix or names.tokenizer.decode(choice.prompt_ids))
+        out = completion_logprobs(new, names, offset)
     if streamed:
-        choice.logprobs_sent, choice.prompt_logprobs_sent = len(choice.logprobs), True
-    if not echoed:
-        offset = len(choice.prefix) if choice.prefix else len(names.tokenizer.decode(choice.prompt_ids))
-        before = completion_logprobs(choice.logprobs[:start], names, offset) if start else None
-        return completion_logprobs(new, names, offset if before is None else before.end)
-    prompt = completion_logprobs(choice.prompt_logprobs, names, 0, unscored=choice.prompt_ids[0])
-    rest = completion_logprobs(new, names, prompt.end)
-    return CompletionLogprobs(tokens=prompt.tokens + rest.tokens,
-                              token_logprobs=prompt.token_logprobs + rest.token_logprobs,
-                              top_logprobs=prompt.top_logprobs + rest.top_logprobs,
-                              text_offset=prompt.text_offset + rest.text_offset)
+        choice.logprobs_sent, choice.prompt_logprobs_sent, choice.logprobs_offset = len(choice.logprobs), True, out.end
+    return out
 
 
 def chat_choice_logprobs(choice: Choice, names: TokenNames, streamed: bool) -> ChatLogprobs:
