@@ -573,3 +573,16 @@ def test_tensorboard_events_are_the_metrics_lines_and_a_resume_drops_the_steps_i
     none = tmp_path / "quiet"
     _fit(dataset, none, steps=1, log_to=())
     assert not (none / "tensorboard").exists() and (none / "metrics.jsonl").is_file()
+
+
+def test_log_to_names_what_it_takes(capsys: pytest.CaptureFixture) -> None:
+    from openflash.files.metric_sinks import parse_log_to
+
+    assert parse_log_to("tensorboard") == ("tensorboard",) and parse_log_to("none") == ()
+    for bad, said in (("wandb", "wandb sync --sync-tensorboard"), ("tb", "expected tensorboard or none"),
+                      ("none,tensorboard", "expected tensorboard or none")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            parse_log_to(bad)
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--data", "d", "--out", "o", "--log-to", "wandb"])
+    assert "--log-to" in capsys.readouterr().err
