@@ -14,6 +14,7 @@ pinned), and later REINDEX layers score only inside that pool.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,26 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     return block_mask.repeat_interleave(block_size, dim=-1)[..., :T]
 
 
+# A long sequence's indexer works on query rows in blocks, so what grows with queries x entries is held once, as the
+# [B, S, T] scores: the per-head logits [B, rows, H, T] and the selection's 64-bit keys [B, rows, T] stay within this
+# many elements a block (a 4K-token training sequence's whole logits would be 537 MB, its keys 268 MB). A row's
+# values do not depend on the block it is computed in; shapes this small run as one block.
+ROW_BLOCK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(S: int, per_row: int) -> list[slice]:
+    if S == 1 or S * per_row <= ROW_BLOCK_ELEMENTS:  # (S first: a decode graph's entry count grows, its S is 1)
+        return [slice(None)]
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, per_row))
+    return [slice(a, min(S, a + rows)) for a in range(0, S, rows)]
+
+
+def _by_row_blocks(S: int, per_row: int, block: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """block(rows) for each block of S query rows, concatenated along the rows (one call when one block)."""
+    blocks = _row_blocks(S, per_row)
+    return block(blocks[0]) if len(blocks) == 1 else torch.cat([block(r) for r in blocks], dim=1)
+
+
 # ---- the score kernels of each numerics policy (chosen once: index_kernels) ------------------------------------
 
 class IndexKernels:
@@ -89,19 +110,32 @@ class IndexKernels:
 
     def view_scores(self, q: torch.Tensor, view: CompressedView, w: torch.Tensor) -> torch.Tensor:
         """`scores` against a view's keys: by its store's kernel where there is one (the engine's pool on CUDA:
-        the keys scored where they are stored), else on the keys read out."""
+        the keys scored where they are stored), else on the keys read out, query rows in blocks."""
         stored = view.stored_scores(q, w)
-        return stored if stored is not None else self.scores(q, view.index_k, w)
+        return stored if stored is not None else self.row_scores(q, view.index_k, w)
 
-    def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor) -> torch.Tensor:
-        return top_entries_select(scores, k, n_visible)
+    def row_scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        B, S, H, _ = q.shape
+        return _by_row_blocks(S, B * H * index_k.shape[1], lambda r: self.scores(q[:, r], index_k, w[:, r]))
+
+    def top_entries(self, scores: torch.Tensor, k: int, n_visible: torch.Tensor,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """`top_entries_select` of the scores, restricted to the `allowed` entries [B, S, T] where given (the
+        candidate pool), query rows in blocks."""
+        B, S, T = scores.shape
+
+        def block(r: slice) -> torch.Tensor:
+            s = scores[:, r] if allowed is None else scores[:, r].masked_fill(~allowed[:, r], float("-inf"))
+            return top_entries_select(s, k, n_visible[:, r])
+
+        return _by_row_blocks(S, B * T, block)
 
 
 class ReferenceIndexKernels(IndexKernels):
     """The reference computes the score as bf16 tensor ops: logits, ReLU, weighting, head sum."""
 
     def view_scores(self, q: torch.Tensor, view: CompressedView, w: torch.Tensor) -> torch.Tensor:
-        return self.scores(q, view.index_k, w)  # (its bf16 rounding points: never a kernel's fp32 sums)
+        return self.row_scores(q, view.index_k, w)  # (its bf16 rounding points: never a kernel's fp32 sums)
 
     def scores(self, q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf = torch.bfloat16
@@ -176,8 +210,10 @@ class Indexer(nn.Module, NumericsMixin):
         score = index_kernels(n).view_scores(q, view, w)
         T = view.size
         n_visible = torch.minimum(visible_entries(ctx.positions, self.topo.compress_ratio), view.length.unsqueeze(1))
-        visible = torch.arange(T, device=x.device) < n_visible.unsqueeze(-1)
-        return score.masked_fill(~visible, float("-inf")), n_visible
+        # In place: the kernels' backward passes keep their inputs, never this output ([B, S, T] is the indexer's
+        # largest tensor on a long sequence).
+        hidden = torch.arange(T, device=x.device) >= n_visible.unsqueeze(-1)
+        return score.masked_fill_(hidden, float("-inf")), n_visible
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext,
                 view: CompressedView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,15 +224,16 @@ class Indexer(nn.Module, NumericsMixin):
         visible entry, and the KL needs a finite score for each entry it compares.
         """
         score, n_visible = self.scores(x, qr, ctx, view)
-        loss_score = score
+        B, S, T = score.shape
         if self.topo.is_candidate_source:
-            ctx.candidates = candidate_pool(score, n_visible, self.n_blocks, self.block_size)
+            ctx.candidates = _by_row_blocks(S, B * T, lambda r: candidate_pool(score[:, r], n_visible[:, r],
+                                                                               self.n_blocks, self.block_size))
             ctx.put(f"indexer{self.topo.index}.candidates", ctx.candidates)
-        if self.topo.uses_candidates and ctx.candidates is not None:
-            score = score.masked_fill(~ctx.candidates, float("-inf"))
-        k = min(self.topk, score.shape[-1])
-        picks = index_kernels(self.numerics).top_entries(score, k, n_visible)
-        ctx.put(f"indexer{self.topo.index}.scores", score)
+        allowed = ctx.candidates if self.topo.uses_candidates else None
+        picks = index_kernels(self.numerics).top_entries(score, min(self.topk, T), n_visible, allowed)
+        if ctx.probe is not None:  # (the pool-restricted scores exist only for it: top_entries masks block by block)
+            ctx.put(f"indexer{self.topo.index}.scores",
+                    score if allowed is None else score.masked_fill(~allowed, float("-inf")))
         ctx.put(f"indexer{self.topo.index}.topk", picks)
         ctx.topk[self.topo.index] = picks
-        return picks, loss_score
+        return picks, score
