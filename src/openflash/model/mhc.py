@@ -224,7 +224,9 @@ class Sinkhorn(torch.autograd.Function):
     """`sinkhorn` with a hand-written backward through its normalisations (the unrolled iterations, exactly).
 
     Works on the [hc, hc, N] layout, where both normalisations reduce over a leading dimension. A normalisation
-    c' = c / (sum c + eps) has the gradient dc = (g - sum(g * c')) / (sum c + eps) over the same group.
+    c' = c / (sum c + eps) has the gradient dc = (g - sum(g * c')) / (sum c + eps) over the same group. Only the
+    row softmax is kept for the backward, which reruns the iterations from it: they are hc^2 values a token, and
+    keeping all 2 x iters - 1 of them would hold 39 copies (20 MB a call at 4K tokens and hc 4).
     """
 
     @staticmethod
@@ -233,27 +235,31 @@ class Sinkhorn(torch.autograd.Function):
         hc = shape[-1]
         c = logits.reshape(-1, hc, hc).permute(1, 2, 0).contiguous()  # [row i, column j, token]
         p = torch.softmax(c, dim=1)  # row softmax (rows are dim 1 here: source i, over destinations j)
+        ctx.save_for_backward(p)
+        ctx.iters, ctx.eps, ctx.shape = iters, eps, shape
+        outputs, _ = Sinkhorn._normalisations(p, iters, eps)
+        return outputs[-1].permute(2, 0, 1).contiguous().view(shape)  # token-major again: bmm wants dense batches
+
+    @staticmethod
+    def _normalisations(p: torch.Tensor, iters: int, eps: float) -> tuple[list, list]:
+        """Each normalisation's output and divisor, from the row softmax p (column normalisation first, then
+        alternating)."""
         c = p + eps
-        outputs, sums, dims = [], [], []
+        outputs, sums = [], []
         for step in range(2 * iters - 1):
-            dim = 0 if step % 2 == 0 else 1  # column normalisation first (after the row softmax), then alternate
-            s = c.sum(dim=dim, keepdim=True).add_(eps)
+            s = c.sum(dim=step % 2, keepdim=True).add_(eps)
             c = c / s
             outputs.append(c)
             sums.append(s)
-            dims.append(dim)
-        ctx.save_for_backward(p, *outputs, *sums)
-        ctx.dims, ctx.shape = dims, shape
-        return c.permute(2, 0, 1).contiguous().view(shape)  # token-major again: bmm wants dense batches
+        return outputs, sums
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        saved = ctx.saved_tensors
-        n = len(ctx.dims)
-        p, outputs, sums = saved[0], saved[1:n + 1], saved[n + 1:]
+        p, = ctx.saved_tensors
+        outputs, sums = Sinkhorn._normalisations(p, ctx.iters, ctx.eps)
         hc = ctx.shape[-1]
         g = g.reshape(-1, hc, hc).permute(1, 2, 0).contiguous()  # the [hc, hc, N] layout, densely
-        for out, s, dim in zip(reversed(outputs), reversed(sums), reversed(ctx.dims)):
-            g = (g - (g * out).sum(dim=dim, keepdim=True)) / s
+        for step in reversed(range(len(outputs))):
+            g = (g - (g * outputs[step]).sum(dim=step % 2, keepdim=True)) / sums[step]
         g = p * (g - (g * p).sum(dim=1, keepdim=True))  # softmax backward
         return g.permute(2, 0, 1).contiguous().view(ctx.shape), None, None
