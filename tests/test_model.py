@@ -202,3 +202,78 @@ def test_right_padded_rows_are_checked(tiny):
     for bad in ([5], [0, 5], [6, 2]):
         with pytest.raises(ValueError, match=r"lengths must hold one value in \[1, 5\] per row"):
             tiny.step(ids, cache, lengths=torch.tensor(bad))
+
+
+class _Recorder:
+    """A probe that keeps what the model records (the indexer's picks, pool and scores)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        self.seen[name] = value.detach().clone()
+
+    def force(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+
+def test_the_indexer_in_row_blocks_picks_what_it_picks_whole(tiny, monkeypatch):
+    """A long sequence's indexer scores, pools and selects query rows in blocks (ROW_BLOCK_ELEMENTS). Rows are
+    independent, so from the same scores the blocks pick exactly the entries one block picks, and the scores
+    themselves, computed in blocks or whole, are within the fp32 bound of the fp64 score: each is
+    sum_h w_h ReLU(q_h . k), so |error| <= gamma_(D+H+1) * sum_h |w_h| sum_d |q_hd k_d| in any summation order."""
+    from error_bounds import gamma
+
+    from openflash.model import indexer as ix
+
+    ids = _ids(tiny.cfg, 2, 48)
+    whole, blocked = _Recorder(), _Recorder()
+    with torch.no_grad():
+        tiny.forward(ids, probe=whole)
+        monkeypatch.setattr(ix, "ROW_BLOCK_ELEMENTS", 96)  # a few rows a block at tiny's widths
+        assert len(ix._row_blocks(48, 2 * 4 * 48)) > 1
+        tiny.forward(ids, probe=blocked)
+    names = [n for n in whole.seen if n.startswith("indexer")]
+    assert {n.split(".")[1] for n in names} == {"scores", "topk", "candidates"}
+    for name in names:
+        if not name.endswith(".scores"):
+            assert torch.equal(whole.seen[name], blocked.seen[name]), name
+    # the selection and the pool from given scores, blocked against whole (exact)
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 48, 40, generator=gen)
+    n_visible = torch.randint(0, 41, (2, 48), generator=gen)
+    allowed = torch.rand(2, 48, 40, generator=gen) < 0.5
+    want = ix.top_entries(scores.masked_fill(~allowed, float("-inf")), 8, n_visible)
+    assert torch.equal(ix.IndexKernels().top_entries(scores, 8, n_visible, allowed), want)
+    # the scores: whole and blocked, each within the bound of the fp64 value
+    q, k, w = torch.randn(2, 48, 4, 32, generator=gen), torch.randn(2, 40, 32, generator=gen), \
+        torch.randn(2, 48, 4, generator=gen)
+    exact = ix.index_scores(q.double(), k.double(), w.double())
+    bound = gamma(32 + 4 + 1) * torch.einsum("bsh,bshd,btd->bst", w.double().abs(), q.double().abs(),
+                                             k.double().abs())
+    monkeypatch.setattr(ix, "ROW_BLOCK_ELEMENTS", 1 << 22)
+    one = ix.IndexKernels().row_scores(q, k, w)
+    monkeypatch.setattr(ix, "ROW_BLOCK_ELEMENTS", 4 * 40 * 2 * 5)  # 5 rows a block
+    for got in (one, ix.IndexKernels().row_scores(q, k, w), ix.TrainIndexKernels().row_scores(q, k, w)):
+        assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_logits_at_some_positions_are_those_positions_logits(tiny):
+    """An RL update asks for its completions' logits only (a long prompt's over every position would be S x V):
+    the head is per position, so they equal the whole forward's logits there, up to the order of the head's fp32
+    sums (a product of another shape): |error| <= 2 gamma_D |x| . |W| per logit, x the normed hidden."""
+    from error_bounds import gamma
+
+    ids = _ids(tiny.cfg, 2, 40)
+    at = torch.tensor([[3, 17, 39], [0, 0, 25]])
+    seen = _Recorder()
+    with torch.no_grad():
+        full = tiny.forward(ids, probe=seen).logits
+        some = tiny.forward(ids, logits_at=at).logits
+    assert some.shape == (2, 3, tiny.cfg.vocab_size)
+    pick = at.unsqueeze(-1).expand(-1, -1, full.shape[-1])
+    x = seen.seen["final_norm"].double()
+    bound = 2 * gamma(x.shape[-1]) * (x.abs() @ tiny.model.head.weight.double().abs().T)
+    assert ((some - full.gather(1, pick)).abs() <= bound.gather(1, pick)).all()
+    with pytest.raises(ValueError, match="logits_at"):
+        tiny.forward(ids, ids, logits_at=at)

@@ -269,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--updates-per-step", type=int, default=1,
                     help="optimizer steps per batch of rollouts (mini-batches; the policy ratio is clipped)")
     rl.add_argument("--micro-batch", type=int, default=8, help="sequences per training forward")
+    rl.add_argument("--micro-batch-tokens", type=int, default=4096,
+                    help="padded tokens per training forward (one sequence at least): long prompts go fewer at a "
+                         "time, the update's memory following the longest sequence rather than the group size")
+    rl.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
+                    help="the update keeps only each block's inputs and reruns its forward in the backward (the "
+                         "default: an update's memory then grows with a long prompt far more slowly); "
+                         "--no-checkpoint-activations trades that memory for one forward less per update")
     rl.add_argument("--clip-low", type=float, default=0.2, help="the ratio's floor is 1 - this")
     rl.add_argument("--clip-high", type=float, default=0.2, help="the ratio's ceiling is 1 + this (DAPO: 0.28)")
     rl.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the base (0: none)")

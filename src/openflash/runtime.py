@@ -262,14 +262,15 @@ class Runtime:
     # ---- training -------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 images: ImageRows | None = None, dense_indexer: bool = False, probe: Probe | None = None,
-                hidden: bool = False) -> ForwardOutput:
+                hidden: bool = False, logits_at: torch.Tensor | None = None) -> ForwardOutput:
         """Full sequences [B, S] from position 0 with their Engram rows (Transformer.forward; in autograd on the
         device tier)."""
         input_ids, images = self._on_device(input_ids, images)
         targets = None if targets is None else targets.to(self.device, non_blocking=True)
+        logits_at = None if logits_at is None else logits_at.to(self.device, non_blocking=True)
         rows = self.memory.prefetch_batch(input_ids, None if images is None else images.mask)
         return self.model(input_ids, targets, engram=rows, images=images, dense_indexer=dense_indexer, probe=probe,
-                          hidden=hidden)
+                          hidden=hidden, logits_at=logits_at)
 
     # ---- prompts --------------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int], images: Sequence[ImageSource] = ()) -> tuple[list[int],

@@ -232,8 +232,11 @@ class Transformer(nn.Module):
             block = self.layers[j]
             source.prefetch(j, block.ffn.likely_experts(block.ffn_norm(u), OFFLOAD_CHUNK))
 
-    def _logits(self, residual: torch.Tensor, pre: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _logits(self, residual: torch.Tensor, pre: torch.Tensor, ctx: StepContext,
+                at: torch.Tensor | None = None) -> torch.Tensor:
         u = collapse(residual, pre, self.numerics)  # collapse with the last block's FFN pre
+        if at is not None:
+            u = u.gather(1, at.unsqueeze(-1).expand(-1, -1, u.shape[-1]))
         ctx.put("final_hidden", u)
         x = self.norm(u)
         ctx.put("final_norm", x)
@@ -243,9 +246,12 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 engram: EngramRows | None = None, dense_indexer: bool = False,
                 images: ImageRows | None = None,
-                probe: Probe | None = None, hidden: bool = False) -> ForwardOutput:
+                probe: Probe | None = None, hidden: bool = False,
+                logits_at: torch.Tensor | None = None) -> ForwardOutput:
         """Full causal sequences [B, S] from position 0 (hidden: also the drafter's input, for training it;
-        images: the rows of the image-span positions, from `encode_image`, which stays in autograd). On the compiled
+        images: the rows of the image-span positions, from `encode_image`, which stays in autograd; logits_at
+        [B, W]: the logits of these positions only, [B, W, V], without targets: an RL update scores a long
+        prompt's completion, whose logits over the whole prompt would be S x V floats a row). On the compiled
         backend a training-mode forward runs each block compiled (model/compiled_blocks.py); an eval-mode one (a
         validation pass) runs the blocks themselves rather than compile a second set of graphs for a few batches.
         With `checkpoint_blocks`, a training forward keeps only each block's inputs for the backward."""
@@ -260,7 +266,9 @@ class Transformer(nn.Module):
         elif self.checkpoint_blocks and self.training and torch.is_grad_enabled():
             forwards = [RecomputedBlock(block) for block in self.layers]
         residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images), forwards)
-        logits = self._logits(residual, pre, ctx)
+        if logits_at is not None and targets is not None:
+            raise ValueError("forward: logits_at gives some positions' logits, targets a loss over all of them")
+        logits = self._logits(residual, pre, ctx, logits_at)
         loss = None
         if targets is not None:
             # The mean over trained targets (-100: not trained on, e.g. a chat prompt); 0 when a batch has none.

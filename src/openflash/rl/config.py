@@ -39,6 +39,13 @@ class RLConfig:
     grad_clip: float = 1.0
     updates_per_step: int = 1  # optimizer steps per batch of rollouts (its mini-batches); the ratio is clipped
     micro_batch: int = 8  # sequences per training forward (gradients accumulate over a mini-batch)
+    # Padded tokens per training forward (one sequence at least): long prompts go fewer at a time, so an update's
+    # memory follows the longest sequence, not the group size.
+    micro_batch_tokens: int = 4096
+    # The update keeps each block's inputs only and reruns its forward in the backward: agent and code prompts are
+    # long, and an update's kept activations grow with them (docs/benchmarks.md); the rerun costs one forward more
+    # per update, small beside a step's sampling.
+    checkpoint_activations: bool = True
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: a higher upper clip)
     clip_high: float = 0.2
     kl_coef: float = 0.0  # weight of the KL to the base (the adapter switched off); 0: no reference forward
@@ -62,7 +69,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "max_turns", "max_prompt_tokens",
-                     "lora", "updates_per_step", "micro_batch", "keep_checkpoints"):
+                     "lora", "updates_per_step", "micro_batch", "micro_batch_tokens", "keep_checkpoints"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise OpenflashError(f"--{name.replace('_', '-')} must be a positive integer, got "
                                      f"{getattr(self, name)!r}")

@@ -87,18 +87,30 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     return LossParts(loss, int(mask.sum()), float(active.sum()), float((kl.detach() * mask).sum()), ratio_max)
 
 
-def completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int],
-                        width: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs [B, width] of each row's completion tokens ids[b, starts[b] : starts[b] + lengths[b]] under
-    softmax(logits / temperature) (the logits at position t predict id t + 1), and the entropy of each of those
-    distributions [B, width]; both 0 past a row's length."""
-    b = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-    offsets = torch.arange(width, device=ids.device).unsqueeze(0)
-    start = torch.tensor(starts, device=ids.device).unsqueeze(1)
-    valid = offsets < torch.tensor(lengths, device=ids.device).unsqueeze(1)
-    target_pos = (start + offsets).clamp(max=ids.shape[1] - 1)
-    picked = logits[b, (target_pos - 1).clamp(min=0)].float() / temperature  # [B, width, V]
-    logp_all = torch.log_softmax(picked, dim=-1)
-    logp = logp_all.gather(-1, ids[b, target_pos].unsqueeze(-1)).squeeze(-1)
+def completion_positions(seq_len: int, starts: list[int], lengths: list[int],
+                         width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's completion tokens ids[b, starts[b] : starts[b] + lengths[b]] sit in sequences of `seq_len`:
+    (the positions whose logits predict them [B, width], their own positions [B, width], valid [B, width]); past a
+    row's length both repeat its last position, marked not valid."""
+    offsets = torch.arange(width).unsqueeze(0)
+    target_pos = (torch.tensor(starts).unsqueeze(1) + offsets).clamp(max=seq_len - 1)
+    return (target_pos - 1).clamp(min=0), target_pos, offsets < torch.tensor(lengths).unsqueeze(1)
+
+
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, W] of `targets` under softmax(logits / temperature) (logits [B, W, V], each position's
+    distribution over the token it predicts), and the entropy of each distribution; both 0 where not valid."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp.masked_fill(~valid, 0.0), entropy.masked_fill(~valid, 0.0).detach()
+
+
+def completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int],
+                        width: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`picked_logprobs` of each row's completion tokens from the logits of every position [B, S, V] (the
+    logits at position t predict id t + 1): log-probs and entropies [B, width], 0 past a row's length."""
+    at, target_pos, valid = (t.to(ids.device) for t in completion_positions(ids.shape[1], starts, lengths, width))
+    b = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    return picked_logprobs(logits[b, at], ids[b, target_pos], valid, temperature)

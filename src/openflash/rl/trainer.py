@@ -43,7 +43,8 @@ from openflash.model.lora import LoRA, adapter_weights, lora_alpha
 from openflash.model.numerics import FINETUNE, FP32
 from openflash.placement import resolve_device
 from openflash.rl.config import RESUME_FIXED, RLConfig
-from openflash.rl.grpo import completion_logprobs, equal_groups, group_advantages, overlong_penalty, policy_loss
+from openflash.rl.grpo import (completion_positions, equal_groups, group_advantages, overlong_penalty, picked_logprobs,
+                               policy_loss)
 from openflash.rl.rewards import Reward, make_reward
 from openflash.rl.rollout import Rollout, RolloutBatch, generate_groups
 from openflash.rl.tasks import Task, read_tasks
@@ -81,6 +82,7 @@ class RLTrainer:
         self.runtime = lora_model(self.base["path"] if self.base is not None else cfg.init, None, cfg.lora,
                                   cfg.lora_alpha, cfg.lora_targets, device=self.device)
         self.model = self.runtime.model
+        self.model.checkpoint_blocks = cfg.checkpoint_activations
         model_cfg = self.runtime.cfg
         read = dict(tokenizer=self.runtime.tokenizer, bos_token_id=model_cfg.bos_token_id,
                     eos_token_id=model_cfg.eos_token_id, needs=self.reward.needs,
@@ -239,8 +241,7 @@ class RLTrainer:
             self.optimizer.zero_grad()
             mask_total = sum(samples[i][0].generated for i in minibatch)
             normalizer = float(mask_total) if cfg.aggregation == "token" else float(len(minibatch))
-            for start in range(0, len(minibatch), cfg.micro_batch):
-                part = minibatch[start:start + cfg.micro_batch]
+            for part in self._micro_batches(minibatch, [samples[i][0] for i in minibatch]):
                 rollouts = [samples[i][0] for i in part]
                 logp, entropy, mask = self._logprobs(rollouts, grad=True)
                 width = logp.shape[1]
@@ -282,14 +283,29 @@ class RLTrainer:
                 "entropy": _round(totals["entropy"] / tokens), "ratio_max": _round(totals["ratio_max"]),
                 "grad_norm": _round(grad_norm), "sampler_logprob_gap": _round(sampler_gap)}
 
+    def _micro_batches(self, items: list, rollouts: list[Rollout]) -> list[list]:
+        """`items` (one per rollout) cut in order into training forwards of at most --micro-batch sequences and
+        --micro-batch-tokens padded tokens (sequences x the longest), one sequence at least."""
+        parts: list[list] = [[]]
+        longest = 0
+        for item, r in zip(items, rollouts):
+            n = len(r.task.prompt_ids) + len(r.completion_ids)
+            part = parts[-1]
+            if part and (len(part) == self.cfg.micro_batch or
+                         (len(part) + 1) * max(longest, n) > self.cfg.micro_batch_tokens):
+                parts.append(part := [])
+                longest = 0
+            part.append(item)
+            longest = max(longest, n)
+        return [p for p in parts if p]
+
     def _logprobs(self, rollouts: list[Rollout], grad: bool) -> Any:
         """The training forward's log-probs of each rollout's completion tokens: with grad, (logp [B, T], entropy
         [B, T], mask [B, T]) of the rollouts as one batch; without, a list of 1-D tensors, one per rollout, computed
-        micro_batch rollouts at a time."""
+        a micro-batch at a time."""
         if not grad:
             out = []
-            for start in range(0, len(rollouts), self.cfg.micro_batch):
-                part = rollouts[start:start + self.cfg.micro_batch]
+            for part in self._micro_batches(rollouts, rollouts):
                 logp, _, _ = self._logprobs(part, grad=True)
                 out.extend(logp[i, :len(r.completion_ids)].detach() for i, r in enumerate(part))
             return out
@@ -298,11 +314,12 @@ class RLTrainer:
         ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)  # right-padded: causal
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)
-        logits = self.runtime.forward(ids).logits
-        starts = [len(r.task.prompt_ids) for r in rollouts]
-        lengths = [len(r.completion_ids) for r in rollouts]
-        logp, entropy = completion_logprobs(logits, ids.to(logits.device), starts, lengths, width,
-                                            self.cfg.temperature)
+        # Only the completion's logits: a long prompt's over every position would be S x vocabulary floats a row.
+        at, target_pos, valid = completion_positions(ids.shape[1], [len(r.task.prompt_ids) for r in rollouts],
+                                                     [len(r.completion_ids) for r in rollouts], width)
+        logits = self.runtime.forward(ids, logits_at=at).logits
+        logp, entropy = picked_logprobs(logits, ids.gather(1, target_pos).to(logits.device), valid.to(logits.device),
+                                        self.cfg.temperature)
         mask = torch.zeros(len(rollouts), width, dtype=torch.bool)  # the tokens the model wrote
         for i, r in enumerate(rollouts):
             mask[i, :len(r.trained)] = torch.tensor(r.trained, dtype=torch.bool)
