@@ -25,8 +25,7 @@ from openflash.files.peft import read_adapter, write_adapter
 from openflash.model.layers import Linear
 from openflash.model.lora import adapter_weights
 from openflash.serve.app import ServerConfig, build_app
-from openflash.serve.chat import conversation
-from openflash.serve.protocol import ChatMessage
+from openflash.chat.messages import ChatMessage, conversation
 from openflash.train.tokenizer import train_bpe_tokenizer
 from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 

@@ -1,6 +1,7 @@
 """Chat formats: OpenAI-style conversations to prompts, completions back to reasoning, answer and tool calls.
 
     conversation.py  turns, tools, calls, the request's chat options, the pieces a completion parses into
+    messages.py      chat messages as clients send them (server requests, chat data lines), checked, to turns
     dsv41.py         the DeepSeek-V4.1 template (models with the released vocabulary)
     simple.py        the template of models trained here with their own tokenizer
     dsml.py          V4.1's tool-call markup, both ways

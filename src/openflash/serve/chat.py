@@ -1,5 +1,5 @@
-"""Chat requests and replies: OpenAI chat bodies to a conversation the chat format renders, and a choice's parsed
-completion back to an OpenAI message (whole) or to deltas (streamed).
+"""Chat requests and replies: a chat body's options for the chat format (its messages become turns in
+chat/messages.py), and a choice's parsed completion back to an OpenAI message (whole) or to deltas (streamed).
 
 Thinking is on when the request says so: `thinking: {"type": "enabled"}` (DeepSeek's API),
 `chat_template_kwargs: {"thinking": true}` (or "enable_thinking", as vLLM and SGLang take them), or a
@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from openflash.chat.conversation import (IMAGE_MARK, ChatOptions, Content, Forcing, ImagePart, Piece, Reasoning,
-                                         ToolCall, Turn, check_arguments, check_tool)
+from openflash.chat.conversation import ChatOptions, Content, Forcing, Piece, Reasoning, ToolCall, Turn, check_tool
 from openflash.errors import RequestError
-from openflash.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from openflash.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from openflash.serve.responses import (AssistantMessage, DeltaMessage, FunctionCallDelta, FunctionCallOut,
                                        ToolCallDelta, ToolCallOut)
 
@@ -80,39 +79,6 @@ def chat_options(body: ChatCompletionRequest, thinking_default: bool = False) ->
         raise RequestError("tool_choice 'required' needs tools", param="tool_choice")
     return ChatOptions(thinking=_thinking(body, thinking_default), reasoning_effort=effort, tools=tools,
                        tool_choice=choice, forced_tool=forced)
-
-
-def conversation(messages: Sequence[ChatMessage]) -> list[Turn]:
-    """A request's messages as turns; RequestError naming the field for malformed tool calls."""
-    turns = []
-    for i, m in enumerate(messages):
-        where = f"messages.{i}"
-        role = "system" if m.role == "developer" else m.role
-        calls: list[ToolCall] = []
-        for j, call in enumerate(m.tool_calls or ()):
-            if role != "assistant":
-                raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls",
-                                   param=f"{where}.tool_calls")
-            arguments = check_arguments(call.function.arguments, f"{where}.tool_calls.{j}.function.arguments")
-            calls.append(ToolCall(call.id or f"call_{i}_{j}", call.function.name, arguments))
-        if role == "tool" and not m.tool_call_id:
-            raise RequestError(f"{where}.tool_call_id: a tool message must say which call it answers",
-                               param=f"{where}.tool_call_id")
-        reasoning = m.reasoning_content if role == "assistant" else None
-        parts = []
-        try:
-            content = m.parts()
-        except ValueError as exc:
-            raise RequestError(f"{where}.{exc}", param=f"{where}.content") from None
-        for part in content:
-            if isinstance(part, ImagePart):
-                part = ImagePart(part.url, f"{where}.{part.where}")
-            elif IMAGE_MARK in part:
-                raise RequestError(f"{where}.content: the text holds a NUL-delimited image marker, which this "
-                                   f"server reserves", param=f"{where}.content")
-            parts.append(part)
-        turns.append(Turn(role, tuple(parts), reasoning, tuple(calls), m.tool_call_id))
-    return turns
 
 
 # ---- a choice's reply -------------------------------------------------------------------------------------------

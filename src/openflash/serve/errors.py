@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from openflash.engine.prompt import INVALID_IMAGES, MAX_TOKENS, TOO_LONG, PromptError
 from openflash.errors import RequestError
 from openflash.serve.guards import safe_text
-from openflash.serve.protocol import LONE_SURROGATE, NOT_SUPPORTED, TOO_DEEP
+from openflash.chat.messages import LONE_SURROGATE, TOO_DEEP
+from openflash.serve.protocol import NOT_SUPPORTED
 from openflash.serve.responses import ErrorInfo, ErrorResponse
 
 FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for any exception of its JSON parser

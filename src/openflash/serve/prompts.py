@@ -16,7 +16,8 @@ from openflash.chat.conversation import IMAGE_MARK, ChatOptions, Forcing
 from openflash.config import FlashConfig
 from openflash.engine.prompt import PromptError, PromptIntake
 from openflash.errors import RequestError
-from openflash.serve.chat import ChatFormat, chat_options, conversation
+from openflash.chat.messages import conversation
+from openflash.serve.chat import ChatFormat, chat_options
 from openflash.serve.errors import APIError, prompt_error
 from openflash.serve.images import ImagePolicy, image_bytes
 from openflash.serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -14,36 +14,11 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from openflash.chat.conversation import ImagePart
-from openflash.chat.json_limits import MAX_JSON_DEPTH, short_path, walk_json
+from openflash.chat.messages import ChatMessage, json_problem
 from openflash.engine.sampling import MAX_TOP_LOGPROBS
 
 StopType = Union[str, list[str], None]
-LONE_SURROGATE = "invalid_text"  # the error type the server turns into a 400 naming the field
-
-
-TOO_DEEP = "too_deep"  # the error type the server turns into a 400 naming the field
 NOT_SUPPORTED = "not_supported"  # an OpenAI field this server does not implement (NOT_SERVED)
-
-
-def json_problem(value: Any, limit: int = MAX_JSON_DEPTH) -> tuple[str, str, dict[str, Any]] | None:
-    """The first thing in a decoded JSON document no request may carry: (error type, message template, context).
-
-    Nesting deeper than `limit` (the parser, the renderer and every walk of it would recurse that deep), and lone
-    UTF-16 surrogates: JSON allows escapes such as "\\ud800" that decode to a str no UTF-8 text can hold; the
-    tokenizer (and any UTF-8 encoder) fails on them."""
-    for where, depth, item in walk_json(value):
-        if depth > limit:
-            return TOO_DEEP, "{param}: JSON nested more than {limit} levels deep", \
-                {"param": short_path(where), "limit": limit}
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")  # in C: fast even for a prompt of megabytes
-            except UnicodeEncodeError as bad:
-                return LONE_SURROGATE, ("{param}: character {index} is a lone UTF-16 surrogate (U+{code}), which is "
-                                        "not valid text"), \
-                    {"param": where, "index": bad.start, "code": f"{ord(item[bad.start]):04X}"}
-    return None
 
 
 class _TextChecked(BaseModel):
@@ -191,64 +166,6 @@ class CompletionRequest(_Request):
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    url: str
-    detail: str | None = None  # accepted and ignored: the spec's preprocessing decides the resolution
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-    image_url: ImageURL | None = None
-
-
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: Union[str, dict[str, Any]] = "{}"  # JSON text of an object (OpenAI); an object is taken too
-
-
-class ToolCallIn(BaseModel):
-    """A tool call of an earlier assistant turn, as the client sends it back."""
-
-    model_config = ConfigDict(extra="ignore")
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: str | None = None
-    reasoning_content: str | None = None  # an assistant turn's reasoning, sent back by the client
-    tool_calls: list[ToolCallIn] | None = None  # assistant turns
-    tool_call_id: str | None = None  # tool turns: the call answered
-
-    def parts(self) -> list[str | ImagePart]:
-        """The content blocks: text, and images (user messages; ValueError for other part types)."""
-        if self.content is None:
-            return []
-        if isinstance(self.content, str):
-            return [self.content]
-        parts: list[str | ImagePart] = []
-        for j, part in enumerate(self.content):
-            if part.type == "image_url":
-                if part.image_url is None:
-                    raise ValueError(f"content part {j}: type 'image_url' needs an image_url object with a url")
-                if self.role != "user":
-                    raise ValueError(f"content part {j}: only user messages carry images, not {self.role!r}")
-                parts.append(ImagePart(part.image_url.url, f"content.{j}.image_url.url"))
-            elif part.type == "text" and part.text is not None:
-                parts.append(part.text)
-            else:
-                raise ValueError(f"content part {j}: type {part.type!r} is not supported (text, image_url)")
-        return parts
 
 
 class ToolChoiceFunction(BaseModel):

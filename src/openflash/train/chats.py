@@ -26,11 +26,10 @@ from tokenizers import Tokenizer
 
 from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions, ImagePart, Turn, check_tool
+from openflash.chat.messages import ChatMessage, conversation, json_problem
 from openflash.errors import OpenflashError, RequestError
 from openflash.files.atomic import write_json_atomic
 from openflash.files.jsonl import BadLine, jsonl_lines
-from openflash.serve.chat import conversation
-from openflash.serve.protocol import ChatMessage, json_problem
 from openflash.tokenizer import tokenizer_sha256
 from openflash.train.dataset import FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest, SplitInfo
 from openflash.train.fresh_folder import FreshFolder, refuse_bad
