@@ -15,8 +15,7 @@ from typing import Protocol
 
 import torch
 
-from openflash.engine.request import Sequence
-from openflash.engine.sampling import SamplingParams, sample, token_logprobs
+from openflash.engine.sampling import SamplerState, SamplingParams, TokenLogprob, sample, token_logprobs
 
 NO_CHOICE = -2  # what `choose_tokens` gives a row whose shaping excludes every token: that request fails
 
@@ -43,12 +42,25 @@ class TokenConstraint(Protocol):
         """The grammar is complete and accepts nothing more: the request stops."""
 
 
-def shapes(seq: Sequence) -> bool:
+class Row(Protocol):
+    """What choosing a row's token reads from its request, and the log-prob it leaves there (engine/request.py's
+    Sequence)."""
+
+    params: SamplingParams
+    constraint: TokenConstraint | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_id: int | None
+    sampler: SamplerState
+    pending_logprob: TokenLogprob | None
+
+
+def shapes(seq: Row) -> bool:
     """seq's logits change before sampling."""
     return seq.params.shapes_logits or seq.constraint is not None
 
 
-def shape_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def shape_logits(logits: torch.Tensor, seqs: list[Row]) -> torch.Tensor:
     """logits [B, V] with each row shaped as its sequence asks (the input itself when no row asks)."""
     rows = [b for b, s in enumerate(seqs) if shapes(s)]
     if not rows:
@@ -59,7 +71,7 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return out
 
 
-def _shape_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _shape_row(row: torch.Tensor, seq: Row) -> torch.Tensor:
     p, vocab = seq.params, row.shape[-1]
     device = row.device
     if p.repetition_penalty != 1:  # over prompt and output tokens (vLLM's and the CTRL paper's definition)
@@ -82,7 +94,7 @@ def _shape_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
-def choose_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def choose_tokens(logits: torch.Tensor, seqs: list[Row]) -> list[int]:
     """The next token of each sequence from its logits row [B, V], shaped as it asks and sampled with its own
     sampler; a sequence that asked for log-probs gets the token's on `pending_logprob` (from the unshaped logits),
     which the engine keeps when it appends the token."""

@@ -11,18 +11,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from openflash.engine.logits import TokenConstraint
 from openflash.engine.sampling import SamplerState, SamplingParams, TokenLogprob, find_stop
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
 from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage, key_ids
-
-if TYPE_CHECKING:
-    from openflash.engine.logits import TokenConstraint
 
 
 class QueueFullError(OpenflashError):
