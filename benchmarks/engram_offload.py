@@ -58,7 +58,7 @@ from openflash.memory.table_file import read_table_header, table_file_name, writ
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.engram_table import DeviceTable
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import DEEPSEEK, load_tokenizer
 from openflash.train.tokenizer import iter_text_files, stdlib_source_dir
 

@@ -35,7 +35,7 @@ from openflash.checkpoint import load_checkpoint
 from openflash.files.run_dir import latest_checkpoint
 from openflash.files.shards import tensor_locations
 from openflash.memory.experts import ROUTED, ExpertStore
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results"
 

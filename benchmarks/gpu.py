@@ -41,11 +41,11 @@ from typing import Any, Callable
 
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
-from openflash.placement import Placement
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
 from openflash.tools.parity import run_golden
 from openflash.tools.plan import build_plan
 

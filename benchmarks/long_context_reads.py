@@ -27,11 +27,11 @@ from typing import Callable
 import torch
 
 from openflash import formats
-from openflash.checkpoint import open_model
 from openflash.engine.block_pool import BlockPool, EntryLayout
 from openflash.engine.cache import CacheFactory, PagedCompressedCache
 from openflash.model.context import CompressedView
 from openflash.model.indexer import top_entries, top_entries_select
+from openflash.runtime.open import open_model
 
 RESULTS = Path(__file__).parent / "results" / "long_context_reads.json"
 

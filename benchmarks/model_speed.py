@@ -7,7 +7,7 @@ Rooflines are measured by the script itself: fp32 matmul peak (a large square ma
 tensor copy, read + write). Decode at batch 1 reads every active weight once per token: its roofline time is
 active-weight bytes / bandwidth. Prefill is compute-bound: model FLOPs = 2 x active params per token + attention.
 Backends: `eager` (the reference implementation) and `compiled` (model/compiled.py: fused kernels for prefill, each
-decode step one graph, model/decode_graph.py), measured in turn in one process,
+decode step one graph, runtime/decode_graph.py), measured in turn in one process,
 the best of `--rounds` each; the first warm-up of the compiled backend includes its compilation (less where
 inductor's on-disk cache already holds the kernels). Weights (`--weights`): quantized weights dequantized to fp32
 once, or kept as stored and computed by the native kernels (up to 16 rows) or dequantized tiles (the compiled
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import open_model
-from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import FP32
-from openflash.runtime import Runtime
+from openflash.runtime.decode_graph import DecodeGraph
+from openflash.runtime.open import open_model
+from openflash.runtime.runtime import Runtime
 from openflash.tools.plan import build_plan
 
 RESULTS = Path(__file__).parent / "results"
@@ -102,7 +102,7 @@ def profile_decode(rt: Runtime, ids: torch.Tensor, steps: int, rows: int = 15) -
 @torch.no_grad()
 def explain_decode(rt: Runtime, ids: torch.Tensor) -> dict:
     """torch._dynamo.explain of the body the compiled backend runs as one graph per decode step
-    (`Transformer.static_decode`, model/decode_graph.py): how many graphs it makes, and where it breaks
+    (`Transformer.static_decode`, runtime/decode_graph.py): how many graphs it makes, and where it breaks
     (file:line -> count). The body is examined on its own, so this supplies the rows the runtime would."""
     model = rt.model
     model.set_numerics(FP32.with_compile())

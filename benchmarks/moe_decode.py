@@ -24,7 +24,7 @@ from openflash.config import load_config
 from openflash.model.moe import MoE
 from openflash.model.numerics import FP32
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results"
 GROUPED = dataclasses.replace(FP32, name="fp32-per-expert", batched_experts=False)

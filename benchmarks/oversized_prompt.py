@@ -24,8 +24,8 @@ import torch
 import uvicorn
 
 from openflash.chat import chat_format
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
+from openflash.runtime.open import open_model
 from openflash.serve.app import ServerConfig, build_app
 
 

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from openflash.checkpoint import load_checkpoint
-from openflash.residency import resident_bytes
 from openflash.config import load_config
 from openflash.memory.experts import ExpertStore
 from openflash.model import routed
 from openflash.model.layers import Linear
-from openflash.runtime import Runtime
+from openflash.residency import resident_bytes
+from openflash.runtime.runtime import Runtime
 from openflash.tools.placement_plan import disk_read_bandwidth, ram_bandwidth, StoredModel
 from openflash.tools.synth import cut_config, synthesize
 

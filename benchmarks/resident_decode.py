@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kernels import read_bandwidth  # noqa: E402 (beside this file)
 
 from openflash.checkpoint import load_checkpoint  # noqa: E402
-from openflash.residency import resident_bytes  # noqa: E402
 from openflash.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from openflash.engine.sampling import SamplingParams  # noqa: E402
 from openflash.memory.experts import ExpertStore  # noqa: E402
 from openflash.model.layers import Linear  # noqa: E402
-from openflash.runtime import Runtime  # noqa: E402
+from openflash.residency import resident_bytes  # noqa: E402
+from openflash.runtime.runtime import Runtime  # noqa: E402
 from openflash.tools.synth import synthesize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -83,10 +83,10 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 def engine_alone(init: str, task_file: Path, prompts: int, group: int, max_tokens: int) -> float:
     """Tokens/s of LLMEngine.generate on a step's prompts (group samples each), the base model, same sampling."""
-    from openflash.checkpoint import open_model
     from openflash.engine.config import EngineConfig
     from openflash.engine.engine import LLMEngine
     from openflash.engine.sampling import SamplingParams
+    from openflash.runtime.open import open_model
 
     runtime = open_model(init)
     rows = [json.loads(line) for line in task_file.read_text().splitlines()][:prompts]

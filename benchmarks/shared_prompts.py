@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.runtime import Runtime
 
 RESULTS = Path(__file__).parent / "results" / "shared_prompts.json"
 

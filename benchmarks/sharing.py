@@ -58,7 +58,7 @@ def main() -> None:
         ap.error(f"--tokens must be at least 2, got {args.tokens}")
     runtime = None
     if "decode" in args.what:
-        from openflash.checkpoint import open_model
+        from openflash.runtime.open import open_model
 
         runtime = open_model("small")
     results = {}

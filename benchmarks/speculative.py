@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.tools.demo import PROMPTS
 
 RESULTS = Path(__file__).parent / "results"

@@ -24,7 +24,7 @@ import torch
 from openflash.checkpoint import build_model
 from openflash.config import FlashConfig, load_config
 from openflash.model.numerics import TRAIN
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.optim import (OptimConfig, TrainOptimizer, expert_loads, is_engram_table, reset_expert_loads,
                                    update_router_bias)

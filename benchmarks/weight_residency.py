@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.residency import resident_bytes
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.tools.synth import synthesize
 
 RESULTS = Path(__file__).parent / "results"

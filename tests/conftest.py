@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from openflash.checkpoint import open_model  # noqa: E402 (after the switch above)
+from openflash.runtime.open import open_model  # noqa: E402 (after the switch above)
 
 
 # Heaviest first (cold-cache seconds in `make test`, docs/benchmarks.md): pytest-xdist's loadfile hands whole files

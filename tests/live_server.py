@@ -24,7 +24,7 @@ from openflash.engine.sampling import SamplingParams
 from openflash.memory.tokenmap import build_compressed_token_map
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.serve.app import ServerConfig, build_app
 from openflash.train.tokenizer import stdlib_source_dir, train_bpe_tokenizer
 

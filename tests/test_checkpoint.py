@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.checkpoint import count_by_dtype, load_checkpoint, open_model, save_checkpoint
+from openflash.checkpoint import count_by_dtype, load_checkpoint, save_checkpoint
 from openflash.config import load_config
 from openflash.errors import CheckpointError
 from openflash.model.numerics import PLAIN
 from openflash.model.transformer import Transformer
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openflash.checkpoint import load_checkpoint, open_model
+from openflash.checkpoint import load_checkpoint
 from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.engine.generate import generate
@@ -21,7 +21,8 @@ from openflash.errors import CheckpointError, ConfigError
 from openflash.memory.tokenmap import TOKEN_MAP_FILES
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"

@@ -1,4 +1,4 @@
-"""The compiled backend (model/compiled.py, model/decode_graph.py) against the eager reference it compiles.
+"""The compiled backend (model/compiled.py, runtime/decode_graph.py) against the eager reference it compiles.
 
 Compilation is the expensive part of this suite on a fresh machine (inductor's disk cache empty: every kernel is
 generated C++ built by gcc), so inductor builds one model's kernels once (`compiled_tiny`), on the smallest run
@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from openflash import formats
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-from openflash.model import decode_graph
 from openflash.model.compiled import rowwise
 from openflash.model.numerics import FP32, NUMERICS
-from openflash.placement import Placement
+from openflash.runtime import decode_graph
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
 from openflash.serve.metrics import render
 
 pytestmark = pytest.mark.usefixtures("one_thread")

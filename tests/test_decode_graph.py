@@ -1,4 +1,4 @@
-"""A decode step as one compiled graph (model/decode_graph.py) against the eager path.
+"""A decode step as one compiled graph (runtime/decode_graph.py) against the eager path.
 
 The shape-static forms (masked cache writes, compressed stores read at full capacity, experts gathered per routed
 pair) are checked eagerly here, cheaply and tightly; the compiled graph itself (no graph break, no recompile across
@@ -16,14 +16,15 @@ import shutil
 import pytest
 import torch
 
-from openflash.checkpoint import build_model, open_model
-from openflash.config import load_config
 from openflash import kernels
+from openflash.checkpoint import build_model
+from openflash.config import load_config
 from openflash.kernels import native
-from openflash.model import decode_graph
-from openflash.model.decode_graph import DecodeGraph
 from openflash.model.numerics import NUMERICS
-from openflash.placement import Placement
+from openflash.runtime import decode_graph
+from openflash.runtime.decode_graph import DecodeGraph
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,

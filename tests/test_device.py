@@ -1,5 +1,5 @@
-"""The device as a placement (placement.py): --device on the commands, one Placement value from flags or plan.json,
-Engram tables off the accelerator by default; the CUDA graph recording's bookkeeping (model/cuda_graph.py). The
+"""The device as a placement (runtime/placement.py): --device on the commands, one Placement value from flags or plan.json,
+Engram tables off the accelerator by default; the CUDA graph recording's bookkeeping (runtime/cuda_graph.py). The
 tests marked `cuda` need a GPU and skip without one (benchmarks/gpu.py runs the same checks and times them)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
-from openflash.model.cuda_graph import Binding, NotRecordable, bindings
-from openflash.placement import Placement, resolve_device
+from openflash.runtime.cuda_graph import Binding, NotRecordable, bindings
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement, resolve_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu.py runs it there)")
@@ -136,9 +136,9 @@ def test_a_recording_moves_to_a_cache_of_the_same_shapes_and_both_keep_their_sta
     takes the recorded tensors over (its values copied in), the old cache keeps copies of its own state, the block
     pool stays shared, and both step on exactly as before. Another structure is refused."""
     from openflash.engine.cache import CacheFactory
-    from openflash.model.cuda_graph import take_over
-    from openflash.model.decode_graph import DecodeGraph
     from openflash.model.numerics import NUMERICS
+    from openflash.runtime.cuda_graph import take_over
+    from openflash.runtime.decode_graph import DecodeGraph
 
     rt = open_model("tiny", numerics="plain")
     factory = CacheFactory.create(rt.model.cfg, block_size=4)
@@ -192,8 +192,8 @@ def test_the_engine_replays_recordings_across_regroups_and_padded_batches(monkey
     replays, a regrouped batch of a recorded size takes the recording over, and the tokens are those of the same
     steps run without recordings."""
     from openflash.engine.engine import EngineConfig, LLMEngine
-    from openflash.model import decode_graph
-    from openflash.model.decode_graph import DecodeGraph
+    from openflash.runtime import decode_graph
+    from openflash.runtime.decode_graph import DecodeGraph
 
     monkeypatch.setattr(decode_graph, "BACKEND", "eager")
     rt = open_model("tiny", numerics="plain")
@@ -314,8 +314,8 @@ def test_a_decode_step_copies_nothing_from_the_host_once_warm():
     graph. RoPE frequencies and the E2M1 tables were copied on every call before (the H200 run's failure)."""
     from openflash.checkpoint import build_model
     from openflash.config import load_config
-    from openflash.model.decode_graph import FetchedRows
     from openflash.model.numerics import NUMERICS
+    from openflash.runtime.decode_graph import FetchedRows
 
     cfg = load_config("tiny")
     model = build_model(cfg, NUMERICS["fp32"], device="meta")
@@ -338,8 +338,8 @@ def test_a_decode_step_on_the_engines_paged_cache_copies_nothing_from_the_host()
     from openflash.checkpoint import build_model
     from openflash.config import load_config
     from openflash.engine.cache import CacheFactory
-    from openflash.model.decode_graph import CAPACITY_TOKENS, FetchedRows
     from openflash.model.numerics import NUMERICS
+    from openflash.runtime.decode_graph import CAPACITY_TOKENS, FetchedRows
 
     cfg = load_config("tiny")
     model = build_model(cfg, NUMERICS["fp32"], device="meta")

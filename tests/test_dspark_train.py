@@ -15,7 +15,7 @@ from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.prepare import prepare_dataset
 from openflash.train.tokenizer import stdlib_source_dir

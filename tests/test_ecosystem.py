@@ -13,12 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from openflash.chat import chat_format
-from openflash.checkpoint import build_model, open_model, save_checkpoint
+from openflash.checkpoint import build_model, save_checkpoint
 from openflash.cli import build_parser
 from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.errors import CheckpointError, ConfigError, OpenflashError
+from openflash.runtime.open import open_model
 from openflash.serve.app import ServerConfig, build_app
 from openflash.sizes import parse_size
 from openflash.tokenizer import preset_tokenizer

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from openflash import formats, kernels
-from openflash.checkpoint import open_model
 from openflash.config import load_config
 from openflash.engine.block_pool import BlockPool, EntryLayout, encode_kv_exact
 from openflash.engine.cache import CacheFactory
@@ -26,6 +25,7 @@ from openflash.engine.scheduler import Scheduler, SchedulerConfig
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import NUMERICS
+from openflash.runtime.open import open_model
 
 from error_bounds import gamma
 

@@ -24,7 +24,7 @@ from openflash.memory.rows import EngramTable
 from openflash.memory.table_file import read_table_header, table_file_name, write_table_file
 from openflash.memory.tiers.disk import DiskTable
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 
 GOLDEN_A = Path(__file__).parent / "goldens" / "A"  # a checkpoint of another tiny config (Engram layers 0, 3)
@@ -430,7 +430,7 @@ def test_sharded_tier_matches_device(base, reference, checkpoint_dir, tmp_path):
 def test_serve_disk_tier_of_a_model_with_fp32_tables(tmp_path):
     """`openflash serve --engram-placement disk` on a model trained here (fp32 tables, no engram_tables folder):
     its tables are quantized to FP8 rows and exported for the disk tier, which then serves the same rows."""
-    from openflash.checkpoint import open_model
+    from openflash.runtime.open import open_model
 
     served, reference = open_model("tiny", numerics="plain"), open_model("tiny", numerics="plain")  # same seed
     assert reference.model.quantize_engram_tables() == reference.model.cfg.engram_layer_ids

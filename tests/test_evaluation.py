@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.cli import main
 from openflash.errors import OpenflashError
 from openflash.evaluation.run import EvalConfig, run_eval, task_sources
+from openflash.runtime.open import open_model
 
 CONTEXTS = ["def add(a, b):\n    return", "import os\nimport", "for i in range(10):\n    print(", "class Point:\n",
             "x = [1, 2, 3]\ny =", "with open(path) as f:\n   ", "if __name__ ==", "while True:\n    if"]

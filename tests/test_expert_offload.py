@@ -10,13 +10,14 @@ import pytest
 import torch
 from conftest import wait_for_health
 
-from openflash.checkpoint import load_checkpoint, open_model
+from openflash.checkpoint import load_checkpoint
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import CheckpointError, OpenflashError
 from openflash.memory.experts import ExpertStore
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.serve.metrics import render
 from openflash.tools.synth import synthesize
 

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.logits import shape_logits
 from openflash.engine.request import Sequence
 from openflash.engine.sampling import SamplerState, SamplingParams, filtered_probs
 from openflash.errors import RequestError
+from openflash.runtime.open import open_model
 
 
 @pytest.fixture(scope="module")

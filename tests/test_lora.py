@@ -11,12 +11,12 @@ import torch
 
 from openflash import formats
 from openflash.checkpoint import load_checkpoint
-from openflash.model.layers import Linear
 from openflash.model.adapters import add_lora
+from openflash.model.layers import Linear
 from openflash.model.lora import LoRA
 from openflash.model.moe import MoE
 from openflash.model.numerics import FINETUNE, FP32
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 
 GOLDEN_A2 = Path(__file__).parent / "goldens" / "A2"  # FP8 dense weights, FP4 experts
 

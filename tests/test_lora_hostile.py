@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from chat_data import chats, write_jsonl
 
 from openflash.chat import chat_format
-from openflash.checkpoint import build_model, open_model, save_checkpoint
+from openflash.checkpoint import build_model, save_checkpoint
 from openflash.cli import main as cli_main
 from openflash.config import load_config
 from openflash.engine.engine import EngineConfig, LLMEngine
@@ -27,6 +27,7 @@ from openflash.engine.sampling import SamplingParams
 from openflash.errors import OpenflashError
 from openflash.files.jsonl import jsonl_records
 from openflash.files.peft import BASE_FILE, read_adapter, write_adapter
+from openflash.runtime.open import open_model
 from openflash.serve.app import ServerConfig, build_app
 from openflash.tokenizer import preset_tokenizer
 from openflash.train.prepare import encode_texts, text_pieces

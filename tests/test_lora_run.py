@@ -15,7 +15,8 @@ from chat_data import chats, write_jsonl
 
 from openflash.chat import chat_format
 from openflash.chat.conversation import ChatOptions
-from openflash.checkpoint import build_model, open_model, save_checkpoint
+from openflash.chat.messages import ChatMessage, conversation
+from openflash.checkpoint import build_model, save_checkpoint
 from openflash.cli import main as cli_main
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
@@ -24,8 +25,8 @@ from openflash.errors import OpenflashError, RequestError
 from openflash.files.peft import read_adapter, write_adapter
 from openflash.model.layers import Linear
 from openflash.model.lora import adapter_weights
+from openflash.runtime.open import open_model
 from openflash.serve.app import ServerConfig, build_app
-from openflash.chat.messages import ChatMessage, conversation
 from openflash.train.tokenizer import train_bpe_tokenizer
 from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 

@@ -10,7 +10,7 @@ from openflash.config import load_config
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import FP32, PLAIN, TRAIN
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.topology import LayerMode
 
 TOL = 2e-5

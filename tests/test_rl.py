@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.sampling import SamplingParams, TokenLogprob
@@ -27,6 +26,7 @@ from openflash.rl.rewards import ExactAnswer, make_reward
 from openflash.rl.sandbox import Sandbox
 from openflash.rl.tasks import Task, read_tasks
 from openflash.rl.trainer import RLTrainer, adapters_off
+from openflash.runtime.open import open_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

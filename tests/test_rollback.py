@@ -13,7 +13,7 @@ from openflash.engine.cache import CacheFactory
 from openflash.model.cache import ModelCache
 from openflash.model.numerics import FP32, PLAIN
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.topology import LayerMode
 
 SPARE = 6
@@ -102,7 +102,7 @@ def test_a_restarted_row_runs_as_a_fresh_sequence_in_place(model, store):
     """`ModelCache.restart` (the engine's idle rows): in place, every tensor the cache holds stays the same object
     (a recorded CUDA graph still finds it), the row's blocks go back to the pool, and the row then runs a new prompt
     as a fresh one-row cache does, while the other row goes on as if nothing had happened."""
-    from openflash.model.cuda_graph import bindings
+    from openflash.runtime.cuda_graph import bindings
 
     model.set_numerics(PLAIN if store != "packed" else FP32)
     cfg, rt = model.cfg, Runtime.of(model)

@@ -14,10 +14,10 @@ from PIL import Image
 from live_server import LiveServer
 
 from openflash.chat import chat_format
-from openflash.checkpoint import open_model
 from openflash.engine.engine import EngineConfig, LLMEngine
 from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
+from openflash.runtime.open import open_model
 from openflash.serve.app import ServerConfig, build_app
 from openflash.serve.images import ImagePolicy
 from openflash.vision.preprocess import ImageLimits, prepare_image

@@ -14,7 +14,7 @@ from openflash.engine.sampling import SamplingParams, filtered_probs
 from openflash.errors import OpenflashError
 from openflash.model.numerics import NUMERICS
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.topology import LayerMode
 

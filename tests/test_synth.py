@@ -9,9 +9,9 @@ import sys
 import torch
 
 from openflash.checkpoint import count_by_dtype, load_checkpoint
-from openflash.residency import resident_bytes
 from openflash.config import load_config
-from openflash.runtime import Runtime
+from openflash.residency import resident_bytes
+from openflash.runtime.runtime import Runtime
 from openflash.tools.synth import cut_config, synthesize
 from openflash.topology import LayerMode
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from openflash.checkpoint import open_model
 from openflash.cli import main as cli_main
 from openflash.commands.train import train as train_command
 from openflash.errors import OpenflashError
 from openflash.files.manifest import MANIFEST_FILE, verify_manifest
 from openflash.files.run_dir import STATE_FILE, checkpoint_dirs, latest_checkpoint
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
+from openflash.threads import ThreadTuner
 from openflash.tokenizer import load_tokenizer
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, load_stats, newton_schulz,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.prepare import prepare_dataset
-from openflash.threads import ThreadTuner
 from openflash.train.tokenizer import train_bpe_tokenizer
 from openflash.train.trainer import TrainConfig, Trainer, training_model_config
 
@@ -184,10 +184,10 @@ def test_fused_ops_have_exact_gradients() -> None:
     """The hand-written backward passes of the training path, against finite differences in float64."""
     from torch.autograd import gradcheck
 
-    from openflash.model.sink_attention import _DenseSinkAttention
     from openflash.model.layers import _RMSNormFunction
     from openflash.model.mhc import HcIn, HcOut, Sinkhorn, sinkhorn
     from openflash.model.moe import _SwiGLU
+    from openflash.model.sink_attention import _DenseSinkAttention
 
     gen = torch.Generator().manual_seed(0)
 

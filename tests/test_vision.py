@@ -19,7 +19,7 @@ from openflash.engine.generate import generate
 from openflash.engine.sampling import SamplingParams
 from openflash.errors import ConfigError, RequestError
 from openflash.model.vision import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import (ImageError, ImageLimits, decode_image, num_image_tokens, plan_grid,
                                          prepare_image, usable_aspect)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from openflash.checkpoint import load_checkpoint, open_model
+from openflash.checkpoint import load_checkpoint
+from openflash.runtime.open import open_model
 from openflash.train.vision import VLTrainConfig, train_vision
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from openflash.checkpoint import load_checkpoint, open_model
-from openflash.residency import choose_residency, resident_bytes
+from openflash.checkpoint import load_checkpoint
 from openflash.errors import CheckpointError
 from openflash.model import layers
-from openflash.placement import Placement
+from openflash.residency import choose_residency, resident_bytes
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
 from openflash.tools.parity import run_golden
 
 GOLDENS = Path(__file__).parent / "goldens"
@@ -68,8 +69,8 @@ def test_auto_picks_stored_where_the_kernels_decode_faster(tmp_path, monkeypatch
     """A quantized checkpoint of hidden size KERNELS_WIDTH or more (the `small` preset's, FP8/FP4 by synth) keeps
     its weights as stored when the native kernels run here; golden A2 (hidden 128) and any model without the
     kernels keep fp32 copies where they fit."""
-    from openflash.residency import KERNELS_WIDTH
     from openflash.kernels import native
+    from openflash.residency import KERNELS_WIDTH
     from openflash.tools.synth import synthesize
 
     synthesize("small", tmp_path / "small", vision=False)

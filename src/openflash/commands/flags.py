@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from openflash.placement import DEVICE_HELP, ENGRAM_TIERS, EXPERT_TIERS
+from openflash.runtime.placement import DEVICE_HELP, ENGRAM_TIERS, EXPERT_TIERS
 from openflash.sizes import SIZE_HELP, size_bytes
 
 WEIGHTS_HELP = ("weights: dequantized (fp32 copies of FP8/FP4/bf16 weights), stored (only the stored bytes resident, "

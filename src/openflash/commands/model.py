@@ -13,7 +13,7 @@ from openflash.config import load_config
 from openflash.errors import OpenflashError
 from openflash.files.manifest import read_manifest, verify_manifest, write_manifest
 from openflash.model.numerics import NUMERICS
-from openflash.placement import resolve_device
+from openflash.runtime.placement import resolve_device
 from openflash.tools.parity import free_running_summary, run_golden
 from openflash.tools.plan import build_plan, format_bytes
 from openflash.topology import topology_table

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openflash.errors import OpenflashError
-from openflash.placement import Placement
+from openflash.runtime.placement import Placement
 
 if TYPE_CHECKING:
     from openflash.engine.sampling import SamplingParams
-    from openflash.runtime import Runtime
+    from openflash.runtime.runtime import Runtime
 
 log = logging.getLogger("openflash.serve")
 
@@ -23,7 +23,7 @@ log = logging.getLogger("openflash.serve")
 def generate(args: Any) -> int:
     """`openflash generate --model M --prompt P`: one completion with the incremental path."""
     placement, group = _placed(args)
-    from openflash.checkpoint import open_model
+    from openflash.runtime.open import open_model
 
     loaded = open_model(args.model, args.tokenizer, args.numerics, placement, verify=args.verify, expert_group=group)
     if args.lora is not None:
@@ -128,10 +128,10 @@ def serve(args: Any) -> int:
     import uvicorn
 
     from openflash.chat import chat_format
-    from openflash.checkpoint import open_model
     from openflash.config import PRESETS
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.engine.lockstep import Lockstep
+    from openflash.runtime.open import open_model
     from openflash.serve.app import ServerConfig, build_app
     from openflash.serve.images import ImagePolicy
     from openflash.vision.preprocess import ImageLimits

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from openflash.errors import OpenflashError
-from openflash.placement import resolve_device
+from openflash.runtime.placement import resolve_device
 from openflash.tools.demo import DemoConfig, run_demo
 from openflash.train.distributed import init_from_env
 from openflash.train.plot import plot_run

@@ -33,7 +33,7 @@ def encode_kv_exact(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     can come back one grid step smaller. The original scale is one of the few subnormal codes above the recomputed
     one, so those blocks try the next codes until the round trip is exact. Every block is tried with masks, no
     shape depending on which blocks need it: a whole-step decode graph writes through here, and a data-dependent
-    branch would break it in two (model/decode_graph.py).
+    branch would break it in two (runtime/decode_graph.py).
     """
     packed, scales = formats.encode_kv_fp4(v)
     blocks = v.float().unflatten(-1, (-1, 16))

@@ -1,6 +1,6 @@
 """LLMEngine: requests in, tokens out, with continuous batching, a paged global KV cache and prefix caching.
 
-    engine = LLMEngine(open_model("tiny"), EngineConfig(max_batch=16))     # a runtime (runtime.py) and a config
+    engine = LLMEngine(open_model("tiny"), EngineConfig(max_batch=16))     # a runtime (runtime/runtime.py) and a config
     rid = engine.add_request("def fib(n):", SamplingParams(max_tokens=32), on_output=print)
     while engine.has_work():
         engine.step()                      # or engine.start() for a background thread (the server)
@@ -101,7 +101,7 @@ class StepSync(Protocol):
 class LLMEngine:
     def __init__(self, runtime: EngineRuntime, config: EngineConfig = EngineConfig(),
                  lockstep: StepSync | None = None) -> None:
-        """runtime: the model to serve with its Engram memory and experts (checkpoint.open_model, or Runtime.of for
+        """runtime: the model to serve with its Engram memory and experts (open_model (runtime/open.py), or Runtime.of for
         a built model); lockstep: this engine is one of several replicas stepping together (expert-parallel
         serving)."""
         if not isinstance(config, EngineConfig):

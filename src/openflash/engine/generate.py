@@ -15,7 +15,7 @@ import torch
 from openflash.engine.prompt import PromptIntake
 from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams, find_stop, sample
 from openflash.errors import OpenflashError
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import EncodedImages, PromptImage, text_prompt
 

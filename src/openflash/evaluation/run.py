@@ -77,10 +77,10 @@ def _task_name(path: Path) -> str | None:
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate; the results (lm-eval's dict, or the perplexity report), also written to cfg.out."""
     cfg.validate()
-    from openflash.checkpoint import open_model
     from openflash.chat import chat_format
     from openflash.engine.engine import EngineConfig, LLMEngine
     from openflash.evaluation.harness import EngineLM
+    from openflash.runtime.open import open_model
 
     runtime = open_model(cfg.model, cfg.tokenizer, cfg.numerics)
     if cfg.lora is not None:

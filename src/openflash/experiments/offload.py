@@ -24,7 +24,7 @@ from openflash.memory.frontend import EngramFrontend
 from openflash.memory.hashing import find_table_primes
 from openflash.memory.table_file import table_file_name, write_table_file
 from openflash.memory.tokenmap import build_compressed_token_map
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import Tokenizer
 
 TIERS = ("device", "host", "disk")

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
 from openflash.model.mhc import collapse
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.topology import LayerMode
 from openflash.train.dataset import TokenDataset, eval_batches
 

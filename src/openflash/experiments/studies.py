@@ -20,7 +20,7 @@ from openflash.experiments.plan import ENGRAM_ARM, RHOS, arm_config
 from openflash.experiments.runs import StudyData
 from openflash.experiments.scale import Scale
 from openflash.experiments.stats import summarize
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.tools.plan import build_plan
 
 

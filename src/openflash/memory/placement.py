@@ -8,11 +8,11 @@ tokens once, starts gathering every Engram layer's rows in the background, and r
 arrived yet, and that wait is measured per layer.
 
     memory = EngramMemory.attach(model, "disk", frontend=frontend, table_dir="tables/", cache_bytes=1 << 30)
-    rows = memory.prepare(prompt, cache)                 # what runtime.py does before each step
+    rows = memory.prepare(prompt, cache)                 # what runtime/runtime.py does before each step
     logits = model.step(prompt, cache, engram=rows)
     memory.speculate(logits, cache, k=4)                 # optional: rows of the 4 likeliest next tokens
 
-Callers use it through the runtime (runtime.py, `Runtime.place_engram` to choose the tier), which does the above.
+Callers use it through the runtime (runtime/runtime.py, `Runtime.place_engram` to choose the tier), which does the above.
 
 Tiers (`--engram-placement`):
     device   the tables stay in the model (DeviceTable): rows gathered from them when a layer asks (with autograd,

@@ -116,7 +116,7 @@ class CompressedStore(Protocol):
     capacity: int  # entries each row can read (`read(capacity)`) without growing
 
     def reserve(self, capacity: int, next_entries: torch.Tensor) -> None:
-        """Before a whole-step graph (model/decode_graph.py): room for `capacity` entries per row, and for the
+        """Before a whole-step graph (runtime/decode_graph.py): room for `capacity` entries per row, and for the
         entry next_entries[b] that row b's open group will write, so the step itself allocates nothing. Every size
         in `growing_dims` is at least 2 afterwards: the graph compiles them as symbolic sizes, and dynamo
         specialises a size of 1."""

@@ -9,7 +9,7 @@ bits (tests compare the two paths with a tolerance).
 
 What stays eager here: everything with data-dependent shapes (cache writes, the compressor's completed groups,
 the router's dispatch, top-k over a growing cache), which would break a graph anyway. A decode step avoids those
-shapes and runs as one graph instead (model/decode_graph.py); these kernels serve prefill and the steps it cannot.
+shapes and runs as one graph instead (runtime/decode_graph.py); these kernels serve prefill and the steps it cannot.
 
 Shapes: `dynamic=None` lets a function specialise on its first shapes and turn a dimension symbolic the first
 time it changes (batch size, chunk length, cache length), so a server compiles each function about twice. The

@@ -121,7 +121,7 @@ class StepContext:
     probe: Probe | None = None  # parity checks: observes intermediates, keyed like the goldens
     taps: dict[int, torch.Tensor | None] = field(default_factory=dict)  # DSpark target layers -> mean input stream
     experts: "ExpertSource | None" = None  # routed experts kept outside the model (memory/experts.py)
-    # One graph for the whole call (model/decode_graph.py): every shape fixed by the cache's capacity (compressed
+    # One graph for the whole call (runtime/decode_graph.py): every shape fixed by the cache's capacity (compressed
     # stores read whole, writes masked, experts gathered per routed pair), no host read of a tensor's values.
     static: bool = False
     # Right-padded rows (prompt chunks of different lengths packed into one call): row b's first lengths[b]

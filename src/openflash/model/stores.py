@@ -164,7 +164,7 @@ class WindowCache:
         window = self.kv.shape[1]
         if positions.shape[1] <= window:
             # A chunk's positions are consecutive, so here each row's slots are distinct: a masked write, with no
-            # data-dependent shapes (a decode step stays one graph, model/decode_graph.py).
+            # data-dependent shapes (a decode step stays one graph, runtime/decode_graph.py).
             rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
             slots = positions % window
             masked_put(self.kv, (rows, slots), valid, kv)

@@ -11,7 +11,7 @@
 Two ways to run it (a model with Engram layers also takes `engram=`, the `EngramRows` its memory prepared from the
 same token ids; the model hashes nothing and imports nothing from memory/; a step with images takes `images=`, the
 `ImageRows` of its image-span positions, made by `encode_image` from the caller's preprocessed patches). Callers
-use the runtime (runtime.py), which prepares those and picks the compiled decode graph where it applies:
+use the runtime (runtime/runtime.py), which prepares those and picks the compiled decode graph where it applies:
 - `forward(input_ids, targets)`: a full causal sequence from position 0 (training), returning logits and loss,
   plus the indexer's KL term;
 - `step(input_ids, cache)`: incremental inference; prefill chunks and decode steps carry all state in a
@@ -63,7 +63,7 @@ def _gemm_kernels(method: Method) -> Method:
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
 PREFETCH_TOKENS = 16  # steps of at most this many tokens hint this and the next layer's experts to an ExpertSource
 NO_ROWS = ("this model has Engram layers: its steps take engram=<the rows of the call's token ids>; run it through "
-           "its runtime (openflash.runtime.Runtime: open_model(...) or Runtime.of(model)), whose memory prepares them")
+           "its runtime (openflash.runtime.runtime.Runtime: open_model(...) or Runtime.of(model)), whose memory prepares them")
 
 
 @dataclass
@@ -314,7 +314,7 @@ class Transformer(nn.Module):
               engram: EngramRows | None, images: ImageRows | None, probe: Probe | None, all_logits: bool,
               hidden: bool, experts: ExpertSource | None = None, static: bool = False,
               lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, TargetHidden | None]:
-        """static: this call is the body of a whole-step graph (model/decode_graph.py, StepContext.static)."""
+        """static: this call is the body of a whole-step graph (runtime/decode_graph.py, StepContext.static)."""
         if mode not in ("exact", "bounded"):
             raise ValueError(f"prefill mode must be 'exact' or 'bounded', got {mode!r}")
         if mode == "bounded" and not self.cfg.topology.bounded_replay_ok:
@@ -375,7 +375,7 @@ class Transformer(nn.Module):
 
     def static_decode(self, input_ids: torch.Tensor, cache: ModelCache, engram: EngramRows | None) -> torch.Tensor:
         """A decode step [B, 1] with every shape fixed by the cache (StepContext.static): the body that
-        model/decode_graph.py compiles into one graph. Returns logits [B, V]."""
+        runtime/decode_graph.py compiles into one graph. Returns logits [B, V]."""
         return self._step(input_ids, cache, "exact", True, engram, None, None, False, False, static=True)[0]
 
     def _blocks_compiled(self) -> list[CompiledBlock]:

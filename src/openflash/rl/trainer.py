@@ -41,13 +41,13 @@ from openflash.files.run_dir import STATE_FILE, RunFolder, read_trainer_state
 from openflash.model.layers import Linear
 from openflash.model.lora import LoRA, adapter_weights, lora_alpha
 from openflash.model.numerics import FINETUNE, FP32
-from openflash.placement import resolve_device
 from openflash.rl.config import RESUME_FIXED, RLConfig
 from openflash.rl.grpo import (completion_positions, equal_groups, group_advantages, overlong_penalty, picked_logprobs,
                                policy_loss)
 from openflash.rl.rewards import Reward, make_reward
 from openflash.rl.rollout import Rollout, RolloutBatch, generate_groups
 from openflash.rl.tasks import Task, read_tasks
+from openflash.runtime.placement import resolve_device
 from openflash.train.finetune import fine_tune_base, load_adapter_weights, lora_model
 from openflash.train.interrupt import StopRequest
 from openflash.train.optim import OptimConfig, Schedule, TrainOptimizer, reset_expert_loads

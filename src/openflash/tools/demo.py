@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openflash.errors import OpenflashError
-from openflash.placement import Placement
+from openflash.runtime.placement import Placement
 from openflash.train.tokenizer import DEFAULT_PATTERNS, stdlib_source_dir, walk_sources
 
 DONE_FILE = "demo_done.json"  # in the training run folder: the budget (minutes) of the last finished run
@@ -193,10 +193,10 @@ def _train_stage(cfg: DemoConfig, data_dir: Path, train_dir: Path) -> dict:
 
 
 def _generate_stage(cfg: DemoConfig, train_dir: Path) -> list[dict]:
-    from openflash.checkpoint import open_model
     from openflash.engine.generate import generate
     from openflash.engine.sampling import SamplingParams
     from openflash.files.run_dir import latest_checkpoint
+    from openflash.runtime.open import open_model
 
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:

@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from openflash.checkpoint import open_model
 from openflash.errors import OpenflashError
 from openflash.model.cache import ModelCache
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.vision.preprocess import prepare_image
 from openflash.vision.prompt import EncodedImages, PromptImage
 

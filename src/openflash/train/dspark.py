@@ -27,17 +27,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openflash.checkpoint import build_model, checkpoint_folder, open_model, save_checkpoint
+from openflash.checkpoint import build_model, checkpoint_folder, save_checkpoint
 from openflash.errors import OpenflashError
 from openflash.files.run_dir import ARGS_FILE
 from openflash.memory.tokenmap import find_token_map_file
 from openflash.model import dspark
 from openflash.model.cache import ModelCache
-from openflash.model.stores import WindowCache
 from openflash.model.context import StepContext
+from openflash.model.stores import WindowCache
 from openflash.model.transformer import Transformer
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.train.dataset import BatchLoader, TokenDataset
 
 log = logging.getLogger("openflash.train")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from openflash import formats
-from openflash.checkpoint import build_model, checkpoint_folder, open_model
+from openflash.checkpoint import build_model, checkpoint_folder
 from openflash.config import PRESETS, FlashConfig
 from openflash.errors import OpenflashError
 from openflash.files.manifest import folder_fingerprint, verify_manifest
@@ -33,8 +33,9 @@ from openflash.model.layers import Linear
 from openflash.model.lora import DEFAULT_TARGETS, LoRA
 from openflash.model.numerics import FINETUNE, Numerics
 from openflash.model.transformer import Transformer
-from openflash.placement import Placement
-from openflash.runtime import Runtime
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
+from openflash.runtime.runtime import Runtime
 from openflash.tokenizer import tokenizer_sha256
 from openflash.train.config import TrainConfig
 from openflash.train.dataset import TokenDataset
@@ -83,7 +84,7 @@ def lora_model(init: str | Path, data: TokenDataset | None, rank: int, alpha: fl
     `targets` (default: model/lora.py DEFAULT_TARGETS), in training mode, as a runtime. Engram tables exported
     beside the checkpoint (`engram_tables/`, as the released one ships) stay on the disk tier: frozen, they need no
     gradient, and the released ones would not fit in memory; next to a GPU, FP8 tables stay in host memory
-    (placement.py's `auto`). data: the prepared training data, whose tokenizer must be the model's (None: the
+    (runtime/placement.py's `auto`). data: the prepared training data, whose tokenizer must be the model's (None: the
     caller tokenizes with the model's own, as RL does). train_engram: the tables held in the model train too, only the rows batches touch
     (model/engram_rows.py)."""
     on_disk = Path(init).is_dir() and (Path(init) / "engram_tables").is_dir()

@@ -51,8 +51,9 @@ from openflash.model.engram_rows import TrainedRows
 from openflash.model.engram_table import DeviceTable
 from openflash.model.numerics import TRAIN
 from openflash.model.transformer import Transformer
-from openflash.placement import resolve_device
-from openflash.runtime import Runtime
+from openflash.runtime.placement import resolve_device
+from openflash.runtime.runtime import Runtime
+from openflash.threads import ThreadTuner
 from openflash.tokenizer import load_tokenizer
 from openflash.train.config import RESUME_FIXED, TrainConfig, training_model_config
 from openflash.train.dataset import BatchLoader, TokenDataset, eval_batches
@@ -62,7 +63,6 @@ from openflash.train.interrupt import StopRequest
 from openflash.train.optim import (OptimConfig, Schedule, TrainOptimizer, expert_loads, is_indexer_param, load_stats,
                                    reset_expert_loads, update_router_bias)
 from openflash.train.sharded import full_optimizer_state, load_full_optimizer_state
-from openflash.threads import ThreadTuner
 from openflash.train.tuning import Built, RunModel, tuning_for
 
 # A time-budgeted run plans its step count from its PLAN_FROM-th step of the invocation on, after every step, at the

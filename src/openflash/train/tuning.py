@@ -28,7 +28,7 @@ from openflash.model.engram_rows import TrainedRows
 from openflash.model.lora import adapter_weights, lora_alpha
 from openflash.model.numerics import Numerics
 from openflash.model.transformer import Transformer
-from openflash.runtime import Runtime
+from openflash.runtime.runtime import Runtime
 from openflash.train.config import TrainConfig
 from openflash.train.dataset import TokenDataset
 from openflash.train.distributed import DistContext

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from openflash.checkpoint import open_model, save_checkpoint
+from openflash.checkpoint import save_checkpoint
 from openflash.errors import OpenflashError
 from openflash.files.jsonl import jsonl_records
 from openflash.model.transformer import Transformer
 from openflash.model.vision import ImageRows
-from openflash.placement import Placement
+from openflash.runtime.open import open_model
+from openflash.runtime.placement import Placement
 from openflash.train.optim import Schedule
 from openflash.vision.prompt import IMAGE_PLACEHOLDER, PromptImage, text_prompt
 

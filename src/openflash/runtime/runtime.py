@@ -13,7 +13,7 @@ compiled decode graphs, and hands those down on every call:
     out = rt.forward(ids, targets)                   # training: logits, loss
     rt.stats()                                       # Engram waits, expert cache, decode graphs
 
-The compiled backend runs a decode step as one graph where it can (model/decode_graph.py); `Runtime.step` picks
+The compiled backend runs a decode step as one graph where it can (runtime/decode_graph.py); `Runtime.step` picks
 that path or the model's own step, so results are the same either way to fp32 rounding.
 """
 
@@ -37,15 +37,15 @@ from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
 from openflash.memory.table_file import table_file_name, write_table_file
-from openflash.model.cache import ModelCache
 from openflash.model.adapters import attach_adapters
+from openflash.model.cache import ModelCache
 from openflash.model.context import Probe
-from openflash.model.decode_graph import DecodeGraph
 from openflash.model.engram import EngramRows
 from openflash.model.lora import BASE, AdapterSelection
 from openflash.model.numerics import Numerics
 from openflash.model.transformer import ForwardOutput, TargetHidden, Transformer, check_lengths
 from openflash.model.vision import ImageRows
+from openflash.runtime.decode_graph import DecodeGraph
 from openflash.threads import StepThreads
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import ImageSource
@@ -59,7 +59,7 @@ DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for the disk tier when no size is 
 @dataclass
 class Runtime:
     """The model, its tokenizer, its Engram memory (the `device` tier until `place_engram` moves it) and its routed
-    experts' store (None: the model's own). Build with `checkpoint.open_model` or `Runtime.of`."""
+    experts' store (None: the model's own). Build with `open_model` (runtime/open.py) or `Runtime.of`."""
 
     model: Transformer
     tokenizer: Tokenizer

@@ -1,6 +1,6 @@
 """Where a model runs, as one value: the device, the weights' residency, the routed experts' tier and the Engram
 tables' tier. The command line (or a plan.json from `openflash plan --memory`) builds it once (`from_args`) and
-`checkpoint.open_model` places the runtime by it.
+`open_model` (runtime/open.py) places the runtime by it.
 
 On an accelerator the Engram tables stay in host memory by default (spec: engram.md §5; the tables are most of the
 parameters, their rows are addressed by token ids alone, so a step's rows are gathered on the host and copied ahead

@@ -53,12 +53,12 @@ import torch
 from openflash import kernels
 from openflash.model.cache import ModelCache
 from openflash.model.compiled import quiet_lru_cache_warnings
-from openflash.model.cuda_graph import CudaGraphStep, Recorder
 from openflash.model.context import ExpertSource, Probe
 from openflash.model.engram import EngramRows
 from openflash.model.layers import Linear
 from openflash.model.moe import MoE
 from openflash.model.vision import ImageRows
+from openflash.runtime.cuda_graph import CudaGraphStep, Recorder
 
 if TYPE_CHECKING:
     from openflash.model.transformer import Transformer
