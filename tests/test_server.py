@@ -379,6 +379,14 @@ def test_serve_refuses_bad_limits(capsys):
     assert "--thinking needs the deepseek-v4.1 chat template; this model's is 'simple'" in capsys.readouterr().err
     assert cli_main(["serve", "--model", "tiny", "--speculative", "dspark"]) == 2
     assert "needs a model with a DSpark draft head" in capsys.readouterr().err
+    # the engine's settings, checked from the flags before the model loads, each refusal naming its flag
+    for flags, says in ((["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+                        (["--max-context", "1"], "--max-context must be >= 2, got 1"),
+                        (["--prefill-padding", "1"], "--prefill-padding must be in [0, 1), got 1.0"),
+                        (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative")):
+        assert cli_main(["serve", "--model", "/nonexistent/model", *flags]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "nonexistent" not in err
 
 
 def test_openflash_serve_command(tmp_path):

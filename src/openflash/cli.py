@@ -18,6 +18,7 @@ import sys
 from typing import Callable, Sequence
 
 from openflash.commands.flags import device_flag, placement_flags, token_ids
+from openflash.engine.config import KV_STORAGES, PREFILL_MODES, RESTORE_MODES
 from openflash.errors import OpenflashError
 from openflash.files.metric_sinks import parse_log_to
 from openflash.sizes import SIZE_HELP, size_bytes
@@ -367,15 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     placement_flags(serve)
     serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together")
     serve.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
-    serve.add_argument("--prefill-mode", default="bounded", choices=["bounded", "exact"],
+    serve.add_argument("--prefill-mode", default="bounded", choices=PREFILL_MODES,
                        help="CED prefill: bounded replay of the decoder half (default) or exact")
     serve.add_argument("--engram-speculate", type=int, default=0,
                        help="speculatively prefetch the rows of the top-K next tokens (0 = off)")
-    serve.add_argument("--kv-storage", default="fp32", choices=["fp32", "packed"],
+    serve.add_argument("--kv-storage", default="fp32", choices=KV_STORAGES,
                        help="global KV storage: fp32 values, or the real packed formats (FP4/MXFP4/FP8)")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    serve.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
     serve.add_argument("--prefix-cache-dir", default=None, help="persist the prefix cache here across restarts")
-    serve.add_argument("--prefix-restore", default="snapshot", choices=["snapshot", "replay"],
+    serve.add_argument("--prefix-restore", default="snapshot", choices=RESTORE_MODES,
                        help="restore window state from a snapshot (exact) or by replaying the last window tokens")
     serve.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     serve.add_argument("--prefill-batch", type=int, default=16,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,8 @@ def _shown_prompt(loaded: Runtime, args: Any) -> str:
 def _generate_speculative(loaded: Runtime, args: Any, params: SamplingParams, ids: list[int],
                           images: list[Any]) -> int:
     """`generate --speculative dspark`: the engine's speculative rounds on one request."""
-    from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.engine.config import EngineConfig
+    from openflash.engine.engine import LLMEngine
 
     engine = LLMEngine(loaded, EngineConfig(
         max_batch=1, max_context=len(ids) + args.max_tokens + 1, speculative=args.speculative,
@@ -129,7 +131,8 @@ def serve(args: Any) -> int:
 
     from openflash.chat import chat_format
     from openflash.config import PRESETS
-    from openflash.engine.engine import EngineConfig, LLMEngine
+    from openflash.engine.config import EngineConfig
+    from openflash.engine.engine import LLMEngine
     from openflash.engine.lockstep import Lockstep
     from openflash.runtime.open import open_model
     from openflash.serve.app import ServerConfig, build_app
@@ -151,9 +154,7 @@ def serve(args: Any) -> int:
     local_images = Path(args.allowed_local_image_dir) if args.allowed_local_image_dir else None
     if local_images is not None and not local_images.is_dir():
         raise OpenflashError(f"--allowed-local-image-dir {local_images}: not a folder")
-    if args.max_batch < 1 or args.max_context < 2:
-        raise OpenflashError(f"--max-batch must be >= 1 and --max-context >= 2 (got {args.max_batch}, "
-                             f"{args.max_context})")
+    engine_config = EngineConfig.from_args(args)  # checked before the model loads
     placement, group = _placed(args)
     loaded = open_model(args.model, args.tokenizer, args.numerics, placement, verify=args.verify, expert_group=group)
     name = args.model if args.model in PRESETS else Path(args.model).resolve().name
@@ -166,14 +167,9 @@ def serve(args: Any) -> int:
     else:
         log.info("loaded %s: %s", args.model, note)
     engram = loaded.memory.placement
-    speculate = args.engram_speculate if engram != "device" else 0
-    engine = LLMEngine(loaded, EngineConfig(
-        max_batch=args.max_batch, max_context=args.max_context, prefill_mode=args.prefill_mode,
-        kv_storage=args.kv_storage, prefix_cache=not args.no_prefix_cache, prefix_cache_dir=args.prefix_cache_dir,
-        prefix_restore=args.prefix_restore, prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens,
-        prefill_batch=args.prefill_batch, prefill_padding=args.prefill_padding, max_waiting=args.max_waiting,
-        engram_speculate=speculate, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens),
-        None if group is None else Lockstep(group.rank, group.world_size))
+    if engram == "device":  # rows already on the device: nothing to prefetch
+        engine_config = replace(engine_config, engram_speculate=0)
+    engine = LLMEngine(loaded, engine_config, None if group is None else Lockstep(group.rank, group.world_size))
     if group is not None and group.rank != 0:  # rank 0 serves HTTP; this rank runs the same engine steps
         log.info("rank %d of %d: stepping with rank 0's engine (%s)", group.rank, group.world_size, note)
         engine.follow()

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from openflash import formats
+from openflash.engine.config import KV_STORAGES
 from openflash.errors import OpenflashError
 from openflash.model.stores import masked_put
 
-KV_STORAGES = ("fp32", "packed")
 _E4M3_MIN_NORMAL_CODE = 8  # E4M3 code of 2^-6; below it the scale grid is the coarse subnormal one
 
 
@@ -238,4 +238,4 @@ class BlockPool:
             t[index] = planes[name].to(t.dtype)
 
 
-__all__ = ["KV_STORAGES", "CacheFullError", "encode_kv_exact", "EntryLayout", "BlockPool"]
+__all__ = ["CacheFullError", "encode_kv_exact", "EntryLayout", "BlockPool"]

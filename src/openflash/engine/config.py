@@ -1,21 +1,18 @@
-"""The engine's settings (`EngineConfig`, validated with each field named) and what a persisted prefix cache
-depends on (`model_fingerprint`: config, weights, numerics, cache settings)."""
+"""The engine's settings (`EngineConfig`, validated with each field named), import-light: a command builds and
+checks them from its flags before it loads a model (no torch, no model imported here)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
-
-import torch
+import argparse
+import re
+from dataclasses import dataclass, fields
 
 from openflash.config import FlashConfig
-from openflash.engine.block_pool import KV_STORAGES
-from openflash.engine.prefix_cache import RESTORE_MODES
-from openflash.engine.runner import PREFILL_MODES
-from openflash.engine.scheduler import SchedulerConfig
 from openflash.errors import OpenflashError
-from openflash.model.transformer import Transformer
+
+PREFILL_MODES = ("bounded", "exact")  # CED bounded replay, or every layer on every token (engine/runner.py)
+KV_STORAGES = ("fp32", "packed")  # the compressed stores' formats (engine/block_pool.py)
+RESTORE_MODES = ("snapshot", "replay")  # how a prefix-cache hit restores a sequence (engine/prefix_cache.py)
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,22 @@ class EngineConfig:
     # where decode steps replay CUDA graphs (a compiled model on CUDA), else none; (): never pad.
     decode_buckets: tuple[int, ...] | None = None
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The fields a command's flags name (`--max-batch` is `max_batch`; the rest keep their defaults),
+        validated, a refusal naming the flag."""
+        given = vars(args)
+        named = [f.name for f in fields(cls) if f.name in given]
+        try:
+            return cls(**{name: given[name] for name in named}).validate()
+        except OpenflashError as exc:  # the refusal names the flags the user typed, not the fields
+            flags = re.compile(r"\b(" + "|".join(named) + r")\b")
+            raise OpenflashError(flags.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
+
     def validate(self) -> "EngineConfig":
+        for name in ("max_batch", "max_step_tokens", "prefill_chunk", "kv_block_size"):
+            if getattr(self, name) < 1:
+                raise OpenflashError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_mode not in PREFILL_MODES:
             raise OpenflashError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {self.prefill_mode!r}")
         if self.kv_storage not in KV_STORAGES:
@@ -98,21 +110,5 @@ class EngineConfig:
             return ()
         return tuple(b for b in (1, 2, 4, 8, *range(16, self.max_batch, 16)) if b < self.max_batch) + (self.max_batch,)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.prefill_chunk, self.max_waiting,
-                               self.share_prompts)
 
-
-def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
-    """Identifies what a persisted prefix cache depends on: config, weights, numerics and cache settings."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps(model.cfg.to_hf_dict(), sort_keys=True, default=str).encode())
-    digest.update(json.dumps([model.numerics.name, config.prefill_mode, config.kv_storage, config.prefix_restore,
-                              config.prefix_block_tokens, config.prefill_chunk]).encode())
-    for name, p in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-__all__ = ["EngineConfig", "model_fingerprint"]
+__all__ = ["EngineConfig", "PREFILL_MODES", "KV_STORAGES", "RESTORE_MODES"]

@@ -31,18 +31,18 @@ import torch
 from tokenizers import Tokenizer
 
 from openflash.engine.cache import CacheFactory
-from openflash.engine.config import EngineConfig, model_fingerprint
+from openflash.engine.config import EngineConfig
 from openflash.engine.inbox import Inbox
 from openflash.engine.lockstep import KEEPALIVE_SECONDS, LockstepError, RequestSpec, StepInputs
 from openflash.engine.loop import EngineLoop
 from openflash.engine.metrics import EngineMetrics
-from openflash.engine.prefix_cache import PrefixCache
+from openflash.engine.prefix_cache import PrefixCache, model_fingerprint
 from openflash.engine.prompt import PromptIntake
 from openflash.engine.logits import NO_CHOICE, NoTokenAllowed, TokenConstraint, choose_tokens, speculative_conflict
 from openflash.engine.request import ABORT, ERROR, LENGTH, RequestOutput, Sequence
 from openflash.engine.runner import ChunkTask, ModelRunner, ModelRuntime
 from openflash.engine.sampling import NO_TOKEN, NonFiniteLogits, SamplerState, SamplingParams
-from openflash.engine.scheduler import PrefillChunk, Scheduler
+from openflash.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from openflash.errors import EngramTableError, OpenflashError, RequestError
 from openflash.model.lora import BASE
 from openflash.vision.prompt import PromptImage
@@ -125,7 +125,8 @@ class LLMEngine:
         self.runner = ModelRunner(runtime, self.factory, config.prefill_mode, config.engram_speculate, drafts,
                                   config.prefill_batch, config.prefill_padding,
                                   config.padded_batches(runtime.records_decode_graphs) if not drafts else ())
-        self.scheduler = Scheduler(config.scheduler_config(), self._admit)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens, config.prefill_chunk,
+                                                   config.max_waiting, config.share_prompts), self._admit)
         self.metrics = EngineMetrics()
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:

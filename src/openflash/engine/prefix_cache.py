@@ -38,11 +38,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openflash.engine.cache import WINDOW_STORES, CacheFactory
+from openflash.engine.config import RESTORE_MODES, EngineConfig
 from openflash.errors import OpenflashError
 from openflash.memory.hashing import EngramHashState
 from openflash.model.cache import ModelCache, ReplayBuffer
+from openflash.model.transformer import Transformer
 
-RESTORE_MODES = ("snapshot", "replay")
 INDEX_FILE, TENSOR_FILE = "prefix_cache.json", "prefix_cache.safetensors"
 FORMAT_VERSION = 1
 
@@ -349,3 +350,15 @@ class PrefixCache:
             self.pool.decref(torch.tensor(new_blocks, dtype=torch.long))
         self._evict()
         return loaded
+
+
+def model_fingerprint(model: Transformer, config: EngineConfig) -> str:
+    """Identifies what a persisted prefix cache depends on: config, weights, numerics and cache settings."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(model.cfg.to_hf_dict(), sort_keys=True, default=str).encode())
+    digest.update(json.dumps([model.numerics.name, config.prefill_mode, config.kv_storage, config.prefix_restore,
+                              config.prefix_block_tokens, config.prefill_chunk]).encode())
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

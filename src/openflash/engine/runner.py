@@ -39,6 +39,7 @@ from typing import Sequence as Sequence_
 import torch
 
 from openflash.engine.cache import CacheFactory
+from openflash.engine.config import PREFILL_MODES
 from openflash.engine.request import Sequence
 from openflash.engine.sampling import TokenLogprob, token_logprobs
 from openflash.engine.speculative import Acceptance, DraftChooser, accept
@@ -47,9 +48,6 @@ from openflash.model.lora import BASE
 from openflash.model.transformer import TargetHidden, Transformer
 from openflash.model.vision import ImageRows
 from openflash.vision.prompt import EncodedImages, image_mask
-
-PREFILL_MODES = ("bounded", "exact")
-
 
 @dataclass(frozen=True)
 class ChunkTask:
