@@ -19,7 +19,6 @@ that path or the model's own step, so results are the same either way to fp32 ro
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -30,14 +29,9 @@ import torch
 from tokenizers import Tokenizer
 
 from openflash.errors import CheckpointError, OpenflashError, RequestError
-from openflash.files.manifest import folder_fingerprint, verify_manifest
-from openflash.files.peft import ENGRAM_ROWS_FILE, adapter_folder, check_base, read_adapter
-from openflash.memory.checkpoint_tables import export_engram_tables
 from openflash.memory.experts import ExpertStore
 from openflash.memory.frontend import EngramFrontend
 from openflash.memory.placement import EngramMemory
-from openflash.memory.table_file import table_file_name, write_table_file
-from openflash.model.adapters import attach_adapters
 from openflash.model.cache import ModelCache
 from openflash.model.context import Probe
 from openflash.model.engram import EngramRows
@@ -45,13 +39,13 @@ from openflash.model.lora import BASE, AdapterSelection
 from openflash.model.numerics import Numerics
 from openflash.model.transformer import ForwardOutput, TargetHidden, Transformer, check_lengths
 from openflash.model.vision import ImageRows
+from openflash.runtime.adapters import served_adapters
 from openflash.runtime.decode_graph import DecodeGraph
+from openflash.runtime.engram_tiers import placed_memory
 from openflash.threads import StepThreads
 from openflash.tokenizer import preset_tokenizer
 from openflash.vision.preprocess import ImageSource
 from openflash.vision.prompt import PromptImage, text_prompt
-
-log = logging.getLogger("openflash.runtime")
 
 DISK_ROW_CACHE_BYTES = 64 << 20  # per table, for the disk tier when no size is given
 
@@ -149,40 +143,12 @@ class Runtime:
 
     # ---- LoRA adapters --------------------------------------------------------------------------------------------
     def load_adapters(self, named: dict[str, str | Path], verify: bool = False) -> None:
-        """Serve the LoRA adapters `named` (name -> a PEFT adapter folder, or a `train --lora` run: its latest
-        checkpoint) beside the base model; a request picks one by name (`adapter_slot`). Once per runtime.
-        Each is checked whole before any is attached (files/peft.py read_adapter: finite weights and alpha), and
-        refused where it records another base; verify: first each folder against its checksums.sha256."""
+        """Serve the LoRA adapters `named` (name -> a PEFT adapter folder, or a `train --lora` run) beside the base
+        model (runtime/adapters.py); a request picks one by name (`adapter_slot`). Once per runtime."""
         if self.adapters is not None:
             raise OpenflashError("this runtime serves adapters already; load them all in one call")
-        loaded, keys = {}, []
-        base_fingerprint: str | None = None  # computed once, for the first adapter that records its base
-        for name, path in named.items():
-            try:
-                folder = adapter_folder(path)
-                if verify:
-                    verify_manifest(folder)
-                if (folder / ENGRAM_ROWS_FILE).is_file():
-                    raise OpenflashError(f"{folder} also trained Engram rows ({ENGRAM_ROWS_FILE}), which adapters "
-                                         f"served per request do not carry; serve `openflash lora merge` of it")
-                adapter = read_adapter(folder)
-                if adapter.base is not None and base_fingerprint is None and self.folder is not None:
-                    base_fingerprint = folder_fingerprint(self.folder)
-                check_base(adapter, folder, self.folder, base_fingerprint)
-            except OpenflashError as exc:
-                raise OpenflashError(f"--lora {name}: {exc}") from None
-            loaded[name] = adapter
-            keys.append(int(adapter.key[:14], 16))  # salts the prefix cache: config and weights alike
-        experts = [(n, m) for n, a in loaded.items() for m in a.weights if ".ffn.experts." in m]
-        if experts and self.experts is not None:
-            raise OpenflashError(f"--lora: adapter {experts[0][0]!r} adapts routed experts ({experts[0][1]}, ...), "
-                                 f"which this run reads from an expert store: serve it with the experts in the "
-                                 f"model (--expert-placement device)")
-        try:
-            self.adapters = attach_adapters(self.model, loaded)
-        except ValueError as exc:
-            raise OpenflashError(f"--lora: {exc} (an adapter trained on another model?)") from None
-        self.adapter_keys = keys
+        self.adapters, self.adapter_keys = served_adapters(self.model, named, self.folder, self.experts is not None,
+                                                           verify)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -297,57 +263,13 @@ class Runtime:
     # ---- Engram placement -----------------------------------------------------------------------------------------
     def place_engram(self, placement: str, *, table_dir: str | Path | None = None,
                      cache_bytes: int = DISK_ROW_CACHE_BYTES, io_threads: int = 4, verify: bool = False) -> None:
-        """Move the Engram tables to `placement` (memory/placement.py), closing the memory that held them. host and
-        disk hold FP8 rows (fp32 tables are quantized first). Tables a checkpoint load left unread
-        (`skip_engram_tables`) come straight from the checkpoint: the host tier reads them into (pinned) RAM, the
-        disk tier exports them. The disk tier reads `table_dir`, else the checkpoint folder's `engram_tables/`,
-        else table files exported into a scratch folder that `close` removes."""
+        """Move the Engram tables to `placement` (runtime/engram_tiers.py), closing the memory that held them."""
         if placement == self.memory.placement:
             return
-        if placement == "sharded":
-            raise OpenflashError("Engram placement 'sharded' splits the tables over a torch.distributed group, which "
-                                 "`generate` and `serve` do not set up (with or without --expert-parallel): use host "
-                                 "or disk")
-        unread = self.folder is not None and any(t.weight.device.type == "meta"
-                                                 for t in self.model.engram_tables().values())
-        if not unread:
-            quantized = self.model.quantize_engram_tables()
-            if quantized:
-                log.info("Engram layers %s: fp32 tables quantized to FP8 rows for the %s tier", quantized, placement)
-        kwargs: dict[str, Any] = {}
-        if placement == "disk" and self.memory.layer_ids:
-            kwargs = dict(table_dir=str(self._table_dir(table_dir, verify, unread)), cache_bytes=cache_bytes,
-                          io_threads=io_threads)
-        elif placement == "host" and unread:
-            kwargs = dict(checkpoint_dir=self.folder)
-        elif placement == "device" and unread:
-            raise OpenflashError("the Engram tables were left in the checkpoint at load (another tier was chosen); "
-                                 "load the model again with --engram-placement device")
-        memory = EngramMemory.attach(self.model, placement, frontend=self.frontend, **kwargs)
+        memory, scratch = placed_memory(self.model, self.memory, self.folder, placement, table_dir=table_dir,
+                                        cache_bytes=cache_bytes, io_threads=io_threads, verify=verify)
         self.memory.close()
-        self.memory = memory
-
-    def _table_dir(self, given: str | Path | None, verify: bool, unread: bool) -> Path:
-        if given is not None and not Path(given).is_dir():
-            raise OpenflashError(f"--engram-table-dir {given}: not a folder (write one with `openflash engram "
-                                 f"export`)")
-        folder = Path(given) if given is not None else (self.folder / "engram_tables" if self.folder else None)
-        if folder is not None and folder.is_dir():
-            if verify:
-                log.info("%s", verify_manifest(folder).summary())
-            return folder
-        self._scratch = tempfile.TemporaryDirectory(prefix="openflash-engram-")
-        folder = Path(self._scratch.name)
-        if unread:  # the tables never entered the model: straight from the checkpoint's files
-            export_engram_tables(self.folder, folder)
-        else:
-            fingerprint = self.frontend.layout.layout_fingerprint()
-            tables = self.model.engram_tables()
-            for slot, lid in enumerate(self.cfg.engram_layer_ids):
-                write_table_file(folder / table_file_name(lid), tables[slot].weight.detach().cpu(),
-                                 tables[slot].scale.detach().cpu(), fingerprint)
-        log.info("Engram tables exported to %s for the disk tier (the model has no engram_tables folder)", folder)
-        return folder
+        self.memory, self._scratch = memory, scratch or self._scratch
 
     # ---- reporting and shutdown -------------------------------------------------------------------------------------
     def problem(self) -> str | None:
