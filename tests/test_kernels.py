@@ -47,7 +47,7 @@ def _fp4_weight(n: int, k: int, g: torch.Generator, scales=EXTREME_SCALES) -> tu
     return packed, pick[torch.randint(len(scales), (n, k // 32), generator=g)]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 37])  # 37: three calls of the C code
 @pytest.mark.parametrize("n, k", [(37, 32), (70, 160), (256, 96)])
 @pytest.mark.parametrize("act_qdq", [False, True])
 def test_fp8_and_fp4_products_equal_the_dequantized_matmul(rows, n, k, act_qdq, isa):
@@ -110,7 +110,7 @@ def test_bf16_products_and_rows_not_divisible_by_the_vector_width():
     g = torch.Generator().manual_seed(0)
     for n, k in ((5, 7), (33, 100), (64, 4096)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        for rows in (1, 16):
+        for rows in (1, 16, 37):  # 37: three calls of the C code, the last of 5 rows
             x = torch.randn(rows, k, generator=g)
             _close(native.bf16_gemv(x, w), x @ w.float().t())
 
@@ -131,7 +131,7 @@ def test_one_and_two_threads_agree(threads, isa):
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])
 def test_a_stored_linear_uses_them_and_equals_the_pytorch_path(storage, monkeypatch):
-    """`Linear` in "stored" residency: up to 16 rows go through the kernels, more through dequantized tiles; both
+    """`Linear` in "stored" residency: any rows go through the kernels (16 a call: 37 rows are three calls), and
     equal the PyTorch path the kernels replace, for fp32 (activation QDQ) and plain numerics."""
     torch.manual_seed(0)
     lin = Linear(256, 96, storage)
@@ -149,14 +149,14 @@ def test_a_stored_linear_uses_them_and_equals_the_pytorch_path(storage, monkeypa
     monkeypatch.setattr(native, f"{storage}_gemv", lambda *a: calls.append(a[0].shape) or product(*a))
     for numerics in (FP32, PLAIN):
         lin.numerics = numerics
-        for rows in (1, 16, 17):
+        for rows in (1, 16, 37):
             x = torch.randn(rows, 256)
             got = lin(x)
             with monkeypatch.context() as off:
                 off.setattr(kernels, "serves", lambda *a: False)
                 want = lin(x)
             _close(got, want)
-    assert calls == [(1, 256), (16, 256)] * 2  # 17 rows: the tiled path
+    assert calls == [(1, 256), (16, 256), (37, 256)] * 2
 
 
 def test_the_ops_trace_as_single_nodes():
@@ -199,8 +199,8 @@ def test_parity_with_stored_weights_runs_through_them(golden, monkeypatch):
 def test_bad_arguments_are_named_before_the_c_code_sees_them():
     g = torch.Generator().manual_seed(5)
     q, s = _fp8_weight(64, 64, g, scales=[127])
-    with pytest.raises(ValueError, match=r"of_fp8_gemv: x must be fp32 \[1..16 rows, K\], got torch.float32 \(17, 64\)"):
-        native.fp8_gemv(torch.randn(17, 64), q, s, False)
+    with pytest.raises(ValueError, match=r"of_fp8_gemv: x must be fp32 \[rows >= 1, K\], got torch.float32 \(0, 64\)"):
+        native.fp8_gemv(torch.randn(0, 64), q, s, False)
     with pytest.raises(ValueError, match=r"weight torch.uint8 \(64, 64\) does not hold K = 96"):
         native.fp8_gemv(torch.randn(2, 96), q, s, False)
     with pytest.raises(ValueError, match=r"scale \(2, 1\) is not the \[2, 2\] UE8M0 bytes"):
@@ -271,7 +271,13 @@ def test_one_place_says_which_kernel_serves_a_product(monkeypatch):
     OPENFLASH_KERNELS=0 turns every kernel off, the Triton ones on CUDA too."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [kernels.product_kernel(cpu, f, 16) for f in ("fp8", "fp4", "bf16")] == ["native"] * 3
-    assert kernels.product_kernel(cpu, "fp8", native.MAX_ROWS + 1) is None  # a prefill: dequantized tiles
+    assert kernels.product_kernel(cpu, "fp8", 1000) == "native"  # a prefill: MAX_ROWS rows a call
+    assert kernels.product_kernel(cpu, "bf16", native.MAX_ROWS + 1) is None  # the BLAS takes bf16 as it is
+    fp4_rows = kernels.native_rows("fp4")  # any with AVX-512 BF16, 128 on AVX2 (dequantized tiles past it)
+    assert fp4_rows == (None if native.status().isa & native.ISA_AVX512_BF16 else 128)
+    assert kernels.product_kernel(cpu, "fp4", 128) == "native"
+    assert kernels.product_kernel(cpu, "fp4", 129) == ("native" if fp4_rows is None else None)
+    assert kernels.product_kernel(cpu, "fp8", 0) is None  # nothing to multiply
     assert kernels.product_kernel(cpu, None, 1) is None  # an fp32 weight
     assert kernels.experts_kernel(cpu, "fp4") == "native" and kernels.experts_kernel(cpu, "fp8") is None
     triton = kernels.triton_products.available()

@@ -28,11 +28,24 @@ def triton_on() -> bool:
     return triton_products.available() and os.environ.get("OPENFLASH_KERNELS", "1") != "0"
 
 
+def native_rows(stored: str) -> int | None:
+    """The most activation rows the native kernels multiply a weight stored as `stored` by (None: any, MAX_ROWS a
+    call), where past it the PyTorch path is faster: a bf16 weight goes to the BLAS as it is, and on AVX2 an FP4
+    weight dequantized once beats reading it once per 16 rows (measured at the released shapes on the 2-core Xeon,
+    AVX2 forced: 256 rows 53 ms against 43; 64 rows 13.5 against 23; benchmarks/released_prefill.py)."""
+    if stored == "bf16":
+        return native.MAX_ROWS
+    if stored == "fp4" and not native.status().isa & native.ISA_AVX512_BF16:
+        return 128
+    return None
+
+
 def product_kernel(device: torch.device, stored: str | None, rows: int) -> str | None:
     """Which kernel multiplies `rows` activation rows on `device` by a weight kept as stored in format `stored`
-    (fp8, fp4, bf16; None: an fp32 weight, no kernel): "native" (the CPU, the kernels built here, at most
-    native.MAX_ROWS rows), "triton" (CUDA, FP8 or FP4, any rows, Triton importable), or None (the PyTorch path)."""
-    if device.type == "cpu" and stored in NATIVE_FORMATS and rows <= native.MAX_ROWS and native.available():
+    (fp8, fp4, bf16; None: an fp32 weight, no kernel): "native" (the CPU, the kernels built here, up to
+    `native_rows`), "triton" (CUDA, FP8 or FP4, any rows, Triton importable), or None (the PyTorch path)."""
+    if device.type == "cpu" and stored in NATIVE_FORMATS and native.available() and \
+            1 <= rows <= (native_rows(stored) or rows):
         return "native"
     if device.type == "cuda" and stored in TRITON_FORMATS and triton_on():
         return "triton"
@@ -67,5 +80,5 @@ def cache_kernel(device: torch.device) -> str | None:
     return "triton" if device.type == "cuda" and triton_on() else None
 
 
-__all__ = ["triton_on", "product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
+__all__ = ["triton_on", "native_rows", "product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
            "triton_experts", "triton_index", "triton_products"]

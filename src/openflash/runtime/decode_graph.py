@@ -16,7 +16,7 @@ What makes that possible is that no shape depends on a tensor's values (`StepCon
 GEMMs whose weight meets one row (every linear at batch 1, each gathered pair) are multiply-and-sum reductions on
 the CPU (`matmul_unshared`): inductor streams the weight in one generated loop, the gather fused into its loads.
 Weights in "stored" residency are read by the kernels `kernels.product_kernel` names, custom ops in the graph: the
-native ones on the CPU (a batch of up to native.MAX_ROWS rows), Triton's on CUDA.
+native ones on the CPU, Triton's on CUDA.
 The same eager functions are traced, so numerics are the compiled backend's: logits equal the eager path's to fp32
 rounding (tests/test_decode_graph.py).
 
