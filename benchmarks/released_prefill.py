@@ -9,10 +9,11 @@ multiply-adds a second these cores retire in practice, the arithmetic every stor
 The products: `Linear` in "stored" residency at the released shapes (a routed expert's w1 in MXFP4, attention's
 wq_a in FP8, an eighth of the bf16 head), each row count as the model runs it (kernels.product_kernel: the native
 kernels 16 rows a call, or the PyTorch path: one dequantized fp32 tile at a time, then the same BLAS).
-OPENFLASH_KERNELS=0 times the PyTorch path at every row count, =avx2 the kernels a machine without AVX-512 runs. The experts: a `MoE` of `--experts` released-shape FP4
-experts, each of `--per-expert` mean rows (the released model's 384 experts over a 128-token chunk get 2 rows each
-on average, over 4,096 tokens 64), routed at random 6 a token, through the path `MoE` picks for those pairs
-(model/routed.py `choose`): 2 x 3 x 5120 x 2304 flops a routed pair. The shared expert and the router are left out.
+OPENFLASH_KERNELS=0 times the PyTorch path at every row count, =avx2 the kernels a machine without AVX-512 runs.
+The experts: a `MoE` of `--experts` released-shape FP4 experts, each of `--per-expert` mean rows (the released
+model's 384 experts over a 128-token chunk get 2 rows each on average, over 4,096 tokens 64), routed at random 6 a
+token, through the path `MoE` picks for those pairs (model/routed.py `choose`): 2 x 3 x 5120 x 2304 flops a routed
+pair. The shared expert and the router are left out. Inference: the modules in eval mode.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main() -> None:
           flush=True)
     out = []
     for name, fmt, n, k in [s for s in SHAPES if s[1] in args.formats]:
-        lin = stored_linear(fmt, n, k, g)
+        lin = stored_linear(fmt, n, k, g).eval()  # inference (a training-mode forward keeps many rows on PyTorch's)
         for rows in args.rows:
             x = torch.randn(rows, k, generator=g)
             with torch.no_grad():

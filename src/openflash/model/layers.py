@@ -223,7 +223,11 @@ class CompiledLayerKernels(LayerKernels):
 
 def _kernel_serves(layer: Linear, x: torch.Tensor) -> bool:
     """Whether a kernel multiplies x by the weight as stored (kernels.serves: Triton's on CUDA, the native ones on
-    the CPU)."""
+    the CPU). A training-mode forward keeps its products of more rows than one native call on the PyTorch path, as
+    its backward and its other passes have them (an RL update's old log-probs, a batch split over ranks): their
+    sums agree, and an FP8 activation rounding never flips between them."""
+    if layer.training and x.device.type == "cpu" and x.numel() > native.MAX_ROWS * x.shape[-1]:
+        return False
     return kernels.serves(x, layer.weight, layer.stored_format)
 
 
