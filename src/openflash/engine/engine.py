@@ -101,9 +101,9 @@ class StepSync(Protocol):
 class LLMEngine:
     def __init__(self, runtime: EngineRuntime, config: EngineConfig = EngineConfig(),
                  lockstep: StepSync | None = None) -> None:
-        """runtime: the model to serve with its Engram memory and experts (open_model (runtime/open.py), or Runtime.of for
-        a built model); lockstep: this engine is one of several replicas stepping together (expert-parallel
-        serving)."""
+        """runtime: the model to serve with its Engram memory and experts (open_model, runtime/open.py, or
+        Runtime.of for a built model); lockstep: this engine is one of several replicas stepping together
+        (expert-parallel serving)."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"LLMEngine(runtime, config): config must be an EngineConfig, got {type(config).__name__} "
                             f"(the runtime holds model and tokenizer: open_model(...) or Runtime.of(model, tokenizer))")

@@ -20,8 +20,8 @@ bounded (one window slot, one compressed entry), no other row reads it and its l
 finishes turns its row idle in place, the batch's tensors untouched (the recording still replays); a batch regroups
 only when sequences join or its bucket changes.
 
-Engram and experts: each call goes through the runtime (runtime/runtime.py), which hashes the chunk or decode step's token
-ids before the model runs (starting the rows' fetch from any tier) and hands rows and expert store down.
+Engram and experts: each call goes through the runtime (runtime/runtime.py), which hashes the chunk or decode
+step's token ids before the model runs (starting the rows' fetch from any tier) and hands rows and expert store down.
 
 Prompt log-probabilities (a request's `prompt_logprobs`): its chunks run in exact mode with every position's logits,
 each position scoring the prompt token after it (sampling.token_logprobs at temperature 1), in packs of their own.

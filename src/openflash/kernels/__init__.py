@@ -28,35 +28,38 @@ def triton_on() -> bool:
     return triton_products.available() and os.environ.get("OPENFLASH_KERNELS", "1") != "0"
 
 
-def native_rows(stored: str) -> int | None:
+def native_rows(stored: str, training: bool = False) -> int | None:
     """The most activation rows the native kernels multiply a weight stored as `stored` by (None: any, MAX_ROWS a
     call), where past it the PyTorch path is faster: a bf16 weight goes to the BLAS as it is, and on AVX2 an FP4
     weight dequantized once beats reading it once per 16 rows (measured at the released shapes on the 2-core Xeon,
-    AVX2 forced: 256 rows 53 ms against 43; 64 rows 13.5 against 23; benchmarks/released_prefill.py)."""
-    if stored == "bf16":
+    AVX2 forced: 256 rows 53 ms against 43; 64 rows 13.5 against 23; benchmarks/released_prefill.py). training: a
+    training-mode forward keeps more rows than one call on the PyTorch path, as its backward and its other passes
+    have them (an RL update's old log-probs, a batch split over ranks), so their sums agree and no FP8 activation
+    rounding flips between them."""
+    if stored == "bf16" or training:
         return native.MAX_ROWS
     if stored == "fp4" and not native.status().isa & native.ISA_AVX512_BF16:
         return 128
     return None
 
 
-def product_kernel(device: torch.device, stored: str | None, rows: int) -> str | None:
+def product_kernel(device: torch.device, stored: str | None, rows: int, training: bool = False) -> str | None:
     """Which kernel multiplies `rows` activation rows on `device` by a weight kept as stored in format `stored`
     (fp8, fp4, bf16; None: an fp32 weight, no kernel): "native" (the CPU, the kernels built here, up to
     `native_rows`), "triton" (CUDA, FP8 or FP4, any rows, Triton importable), or None (the PyTorch path)."""
     if device.type == "cpu" and stored in NATIVE_FORMATS and native.available() and \
-            1 <= rows <= (native_rows(stored) or rows):
+            1 <= rows <= (native_rows(stored, training) or rows):
         return "native"
     if device.type == "cuda" and stored in TRITON_FORMATS and triton_on():
         return "triton"
     return None
 
 
-def serves(x: torch.Tensor, weight: torch.Tensor, stored: str | None) -> bool:
+def serves(x: torch.Tensor, weight: torch.Tensor, stored: str | None, training: bool = False) -> bool:
     """Whether a kernel multiplies x [..., K] by this stored weight: `product_kernel` names one for x's device and
     rows, the weight lies on that device, contiguous, and K is whole 32-blocks."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (product_kernel(x.device, stored, rows) is not None and weight.device == x.device
+    return (product_kernel(x.device, stored, rows, training) is not None and weight.device == x.device
             and weight.is_contiguous() and x.shape[-1] % native.BLOCK == 0)
 
 
@@ -80,5 +83,5 @@ def cache_kernel(device: torch.device) -> str | None:
     return "triton" if device.type == "cuda" and triton_on() else None
 
 
-__all__ = ["triton_on", "native_rows", "product_kernel", "serves", "experts_kernel", "cache_kernel", "native", "triton_attention",
-           "triton_experts", "triton_index", "triton_products"]
+__all__ = ["triton_on", "native_rows", "product_kernel", "serves", "experts_kernel", "cache_kernel", "native",
+           "triton_attention", "triton_experts", "triton_index", "triton_products"]

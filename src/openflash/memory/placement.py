@@ -12,7 +12,8 @@ arrived yet, and that wait is measured per layer.
     logits = model.step(prompt, cache, engram=rows)
     memory.speculate(logits, cache, k=4)                 # optional: rows of the 4 likeliest next tokens
 
-Callers use it through the runtime (runtime/runtime.py, `Runtime.place_engram` to choose the tier), which does the above.
+Callers use it through the runtime (runtime/runtime.py, `Runtime.place_engram` to choose the tier), which does the
+above.
 
 Tiers (`--engram-placement`):
     device   the tables stay in the model (DeviceTable): rows gathered from them when a layer asks (with autograd,

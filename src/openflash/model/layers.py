@@ -8,10 +8,10 @@ Two residencies (`Linear.keep_dequantized`, set model-wide by `Transformer.set_w
 - "dequantized" (the default for models that fit): quantized weights are dequantized to fp32 once and cached (the
   CPU path is compute-bound on small models, and re-dequantizing every call costs more than the matmul); the cache
   is rebuilt when the stored bytes change.
-- "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16). Up to
-  16 rows on a CPU with AVX2 (decode, batched decode, verification) are multiplied by the native kernels straight
-  from those bytes (kernels/: decoded in registers, the activation QDQ fused), and on CUDA any number of rows of
-  an FP8 or FP4 weight by Triton's (kernels/triton_products.py); otherwise each call dequantizes one
+- "stored": nothing but the stored bytes stays resident (FP8 / FP4 codes and scales, bf16 matrices as bf16). On a CPU
+  with AVX2 the native kernels multiply them straight from those bytes, 16 rows a call, a prefill's rows too where
+  that is faster (kernels.native_rows; kernels/: decoded in registers, the activation QDQ fused), and on CUDA any
+  number of rows of an FP8 or FP4 weight by Triton's (kernels/triton_products.py); otherwise each call dequantizes one
   tile of output rows at a time (at most TILE_BYTES of fp32) and multiplies it in fp32, so memory is the
   checkpoint's size plus one tile. Same values, same fp32 arithmetic (to summation order).
 Inputs to quantized weights are FP8-quantized per 32 channels first, as the reference's GEMMs do.
@@ -223,12 +223,8 @@ class CompiledLayerKernels(LayerKernels):
 
 def _kernel_serves(layer: Linear, x: torch.Tensor) -> bool:
     """Whether a kernel multiplies x by the weight as stored (kernels.serves: Triton's on CUDA, the native ones on
-    the CPU). A training-mode forward keeps its products of more rows than one native call on the PyTorch path, as
-    its backward and its other passes have them (an RL update's old log-probs, a batch split over ranks): their
-    sums agree, and an FP8 activation rounding never flips between them."""
-    if layer.training and x.device.type == "cpu" and x.numel() > native.MAX_ROWS * x.shape[-1]:
-        return False
-    return kernels.serves(x, layer.weight, layer.stored_format)
+    the CPU; a training-mode forward's rows as kernels.native_rows allows them)."""
+    return kernels.serves(x, layer.weight, layer.stored_format, layer.training)
 
 
 def _native_linear(layer: Linear, x: torch.Tensor, act_qdq: bool) -> torch.Tensor:

@@ -63,7 +63,8 @@ def _gemm_kernels(method: Method) -> Method:
 WEIGHT_RESIDENCIES = ("dequantized", "stored")
 PREFETCH_TOKENS = 16  # steps of at most this many tokens hint this and the next layer's experts to an ExpertSource
 NO_ROWS = ("this model has Engram layers: its steps take engram=<the rows of the call's token ids>; run it through "
-           "its runtime (openflash.runtime.runtime.Runtime: open_model(...) or Runtime.of(model)), whose memory prepares them")
+           "its runtime (openflash.runtime.runtime.Runtime: open_model(...) or Runtime.of(model)), whose memory "
+           "prepares them")
 
 
 @dataclass
@@ -255,6 +256,8 @@ class Transformer(nn.Module):
         backend a training-mode forward runs each block compiled (model/compiled_blocks.py); an eval-mode one (a
         validation pass) runs the blocks themselves rather than compile a second set of graphs for a few batches.
         With `checkpoint_blocks`, a training forward keeps only each block's inputs for the backward."""
+        if logits_at is not None and targets is not None:
+            raise ValueError("forward: logits_at gives some positions' logits, targets a loss over all of them")
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         ctx = StepContext(positions, self.numerics, dense_indexer=dense_indexer, probe=probe,
@@ -266,8 +269,6 @@ class Transformer(nn.Module):
         elif self.checkpoint_blocks and self.training and torch.is_grad_enabled():
             forwards = [RecomputedBlock(block) for block in self.layers]
         residual, pre = self._layers(residual, pre, range(len(self.layers)), ctx, engram, _mask(images), forwards)
-        if logits_at is not None and targets is not None:
-            raise ValueError("forward: logits_at gives some positions' logits, targets a loss over all of them")
         logits = self._logits(residual, pre, ctx, logits_at)
         loss = None
         if targets is not None:

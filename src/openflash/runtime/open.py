@@ -19,11 +19,12 @@ from openflash.tokenizer import load_tokenizer, preset_tokenizer
 
 def open_model(spec: str, tokenizer: str | None = None, numerics: str = "fp32",
                placement: Placement | None = None, *, verify: bool = False, expert_group: Any = None) -> Runtime:
-    """The runtime (runtime/runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset
+    """The runtime (runtime.py: the model in eval mode, its tokenizer, Engram memory and expert store) of a preset
     name (random weights, seed 0, for smoke tests and benchmarks), a checkpoint folder or a training run folder (its
-    latest checkpoint), placed as `placement` says (runtime/placement.py: device, weights, experts' and Engram tables' tiers,
-    compiled backend; default: the defaults there). The Engram tables of a checkpoint whose tier is not the device
-    are never loaded into the model: the host tier reads them from the checkpoint, the disk tier from table files.
+    latest checkpoint), placed as `placement` says (placement.py: device, weights, experts' and Engram tables'
+    tiers, compiled backend; default: the defaults there). The Engram tables of a checkpoint whose tier is not the
+    device are never loaded into the model: the host tier reads them from the checkpoint, the disk tier from table
+    files.
     verify: first check the checkpoint against its checksums.sha256 (and the disk tier's table files)."""
     placement = placement if placement is not None else Placement()
     if numerics not in NUMERICS:
